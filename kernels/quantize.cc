@@ -11,10 +11,27 @@ int ClipRank(float ratio, int n) {
 }
 
 float ClipThreshold(const float* y, int n, float ratio, float* scratch) {
+  const int k = ClipRank(ratio, n);  // 1-based rank from the bottom
+  const int m = n - k + 1;           // the same element's rank from the top
+  if (m <= 16) {
+    // The usual case (c = 0.9..1): keep the m largest |y| in a small sorted list.
+    float top[16];
+    int have = 0;
+    for (int i = 0; i < n; ++i) {
+      const float a = std::fabs(y[i]);
+      if (have == m && a <= top[m - 1]) continue;
+      int pos = have < m ? have++ : m - 1;
+      while (pos > 0 && top[pos - 1] < a) {
+        top[pos] = top[pos - 1];
+        --pos;
+      }
+      top[pos] = a;
+    }
+    return top[m - 1];
+  }
   for (int i = 0; i < n; ++i) scratch[i] = std::fabs(y[i]);
-  const int k = ClipRank(ratio, n) - 1;
-  std::nth_element(scratch, scratch + k, scratch + n);
-  return scratch[k];
+  std::nth_element(scratch, scratch + (k - 1), scratch + n);
+  return scratch[k - 1];
 }
 
 void ClipRow(float* y, int n, float ratio, float* scratch) {
@@ -77,6 +94,18 @@ void RotateRow(const bf16_bits* x, const float* r, int dim, float* y) {
     const float xi = Bf16ToFloat(x[i]);
     const float* row = r + size_t(i) * dim;
     for (int j = 0; j < dim; ++j) y[j] += xi * row[j];
+  }
+}
+
+void RotateRows(const bf16_bits* x, size_t x_stride, int n, const float* r, int dim, float* y) {
+  for (size_t e = 0; e < size_t(n) * dim; ++e) y[e] = 0.0f;
+  for (int i = 0; i < dim; ++i) {
+    const float* row = r + size_t(i) * dim;
+    for (int t = 0; t < n; ++t) {
+      const float xi = Bf16ToFloat(x[t * x_stride + i]);
+      float* yt = y + size_t(t) * dim;
+      for (int j = 0; j < dim; ++j) yt[j] += xi * row[j];
+    }
   }
 }
 

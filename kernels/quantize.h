@@ -39,6 +39,10 @@ void UnpackRow(const uint8_t* codes, int dim, uint8_t* q);
 // y = x · R for one row (x bf16, R fp32 D×D row-major).
 void RotateRow(const bf16_bits* x, const float* r, int dim, float* y);
 
+// Y[t] = X[t] · R for n rows at once (row t of X at x + t * x_stride), so
+// that R streams through the cache once per n rows. y is [n][D].
+void RotateRows(const bf16_bits* x, size_t x_stride, int n, const float* r, int dim, float* y);
+
 // Full encode of one row: rotate by R, clip with `clip_ratio`, quantize, pack.
 // `scratch` holds 2*D floats.
 void EncodeRow(const bf16_bits* x, const float* r, int dim, int group, float clip_ratio,

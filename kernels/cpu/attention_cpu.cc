@@ -11,7 +11,7 @@ namespace {
 constexpr float kNegInf = -std::numeric_limits<float>::infinity();
 constexpr int kMaxGroup = 64;   // query heads per kv head handled in one pass
 constexpr int kMaxDim = 256;
-constexpr int kChunk = 64;      // tokens whose logits are computed before one rescale
+constexpr int kChunk = 32;      // tokens whose logits are computed before one rescale
 
 inline float Dot(const float* a, const float* b, int n) {
   float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
@@ -56,32 +56,59 @@ struct GroupState {
   float Lse(int i) const { return l[i] > 0.0f ? m[i] + std::log(l[i]) : kNegInf; }
 };
 
+// Dot products of one key row with up to four query rows at once: the key is
+// loaded once and each query keeps a 16-wide accumulator (no per-element
+// horizontal sums).
+inline void Dot4(const float* q, int nq, int d, const float* k, float* out) {
+  alignas(64) float acc[4][16] = {};
+  for (int j = 0; j < d; j += 16) {
+    for (int i = 0; i < 4; ++i) {
+      if (i >= nq) break;
+      const float* qi = q + size_t(i) * d + j;
+      for (int l = 0; l < 16; ++l) acc[i][l] += qi[l] * k[j + l];
+    }
+  }
+  for (int i = 0; i < nq; ++i) {
+    float s = 0.0f;
+    for (int l = 0; l < 16; ++l) s += acc[i][l];
+    out[i] = s;
+  }
+}
+
 // Accumulates `n` tokens whose K and V rows are produced by the callbacks
-// (each fills a float row of d), for all g heads with queries qs[g][d].
+// (each fills a float row of d), for all g heads with queries qs[g][d]. Rows
+// are materialized a chunk at a time into L1-sized tiles.
 template <typename KRow, typename VRow>
 void AccumulateTokens(GroupState& st, const float* qs, float scale, int n, KRow&& krow,
-                      VRow&& vrow, float* rowbuf) {
+                      VRow&& vrow, float* tile) {
   const int g = st.g, d = st.d;
   float logits[kMaxGroup][kChunk];
   for (int t0 = 0; t0 < n; t0 += kChunk) {
     const int c = std::min(kChunk, n - t0);
+    for (int t = 0; t < c; ++t) krow(t0 + t, tile + size_t(t) * d);
     for (int t = 0; t < c; ++t) {
-      krow(t0 + t, rowbuf);
-      for (int i = 0; i < g; ++i) logits[i][t] = scale * Dot(qs + size_t(i) * d, rowbuf, d);
+      float dots[4];
+      for (int i0 = 0; i0 < g; i0 += 4) {
+        const int nq = std::min(4, g - i0);
+        Dot4(qs + size_t(i0) * d, nq, d, tile + size_t(t) * d, dots);
+        for (int i = 0; i < nq; ++i) logits[i0 + i][t] = scale * dots[i];
+      }
     }
-    float mx[kMaxGroup];
     for (int i = 0; i < g; ++i) {
       float cm = kNegInf;
       for (int t = 0; t < c; ++t) cm = std::max(cm, logits[i][t]);
-      mx[i] = st.Rescale(i, cm);
+      const float mx = st.Rescale(i, cm);
+      float sum = 0.0f;
       for (int t = 0; t < c; ++t) {
-        logits[i][t] = std::exp(logits[i][t] - mx[i]);
-        st.l[i] += logits[i][t];
+        logits[i][t] = std::exp(logits[i][t] - mx);
+        sum += logits[i][t];
       }
+      st.l[i] += sum;
     }
-    for (int t = 0; t < c; ++t) {
-      vrow(t0 + t, rowbuf);
-      for (int i = 0; i < g; ++i) Axpy(logits[i][t], rowbuf, &st.acc[size_t(i) * d], d);
+    for (int t = 0; t < c; ++t) vrow(t0 + t, tile + size_t(t) * d);
+    for (int i = 0; i < g; ++i) {
+      float* a = &st.acc[size_t(i) * d];
+      for (int t = 0; t < c; ++t) Axpy(logits[i][t], tile + size_t(t) * d, a, d);
     }
   }
 }
@@ -100,12 +127,9 @@ inline void DequantRow(const uint8_t* codes, const QuantParams* params, int t, i
   }
   if (groups == 1) {
     const float s0 = s[0], l0 = lo[0];
-    for (int j = 0; j < quarter; ++j) {
-      const uint32_t b = c[j];
-      y[j] = float(b & 3u) * s0 + l0;
-      y[j + quarter] = float((b >> 2) & 3u) * s0 + l0;
-      y[j + 2 * quarter] = float((b >> 4) & 3u) * s0 + l0;
-      y[j + 3 * quarter] = float(b >> 6) * s0 + l0;
+    for (int k = 0; k < 4; ++k) {
+      float* yk = y + k * quarter;
+      for (int j = 0; j < quarter; ++j) yk[j] = float((c[j] >> (2 * k)) & 3) * s0 + l0;
     }
     return;
   }
@@ -148,7 +172,7 @@ void AttendCompressedKvHead(const PageGeometry& geom, int num_q_heads, float sca
   const int P = geom.page_tokens;
   const size_t row = geom.exact_row_elems();
   const float* q = item.q + size_t(h) * g * d;
-  float rowbuf[kMaxDim];
+  alignas(64) static thread_local float rowbuf[kChunk * kMaxDim];
 
   // Sink and recent: BF16, plain query.
   GroupState exact(g, d);
@@ -208,7 +232,7 @@ void AttendBf16KvHead(const bf16_bits* k, const bf16_bits* v, int tokens, int kv
   const int d = head_dim;
   const int g = num_q_heads / kv_heads;
   const size_t row = size_t(kv_heads) * d;
-  float rowbuf[kMaxDim];
+  alignas(64) static thread_local float rowbuf[kChunk * kMaxDim];
   GroupState st(g, d);
   const float* qh = q + size_t(h) * g * d;
   AccumulateTokens(

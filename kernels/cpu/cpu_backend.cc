@@ -26,6 +26,14 @@ absl::Status ValidateGeometry(const PageGeometry& g) {
   return absl::OkStatus();
 }
 
+namespace {
+// Per-thread tile of rotated rows, sized on first use (no allocation afterwards).
+std::vector<float>& RotatedTile() {
+  static thread_local std::vector<float> tile;
+  return tile;
+}
+}  // namespace
+
 CpuBackend::CpuBackend(int threads) {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
   pool_ = std::make_unique<ParallelFor>(threads);
@@ -65,16 +73,21 @@ absl::Status CpuBackend::EncodePages(const PageGeometry& geom, const EncodeJob* 
   pool_->Run(num_jobs * H, [&](int task) {
     const EncodeJob& job = jobs[task / H];
     const int h = task % H;
-    float scratch[2 * 256];
+    float scratch[256];
+    std::vector<float>& y = RotatedTile();
+    y.resize(size_t(P) * d);
     for (int kind = 0; kind < 2; ++kind) {
       const bf16_bits* src = job.src_block + kind * size_t(P) * row + size_t(h) * d;
       const float* r = (kind == 0 ? job.rotation.r_k : job.rotation.r_v) + job.rotation.stride * h;
       const float clip = kind == 0 ? job.clip_k : job.clip_v;
       uint8_t* codes = job.dst_page + geom.codes_offset(h, kind);
       auto* params = reinterpret_cast<QuantParams*>(job.dst_page + geom.params_offset(h, kind));
+      RotateRows(src, row, P, r, d, y.data());
       for (int t = 0; t < P; ++t) {
-        EncodeRow(src + t * row, r, d, geom.group_size, clip, codes + size_t(t) * geom.code_row_bytes(),
-                  params + size_t(t) * geom.groups(), scratch);
+        float* yt = y.data() + size_t(t) * d;
+        ClipRow(yt, d, clip, scratch);
+        QuantizeRow(yt, d, geom.group_size, codes + size_t(t) * geom.code_row_bytes(),
+                    params + size_t(t) * geom.groups());
       }
     }
   });
