@@ -118,10 +118,12 @@ struct HeadModel {
   std::vector<int> key_channels;
   std::vector<float> key_sign;
   std::vector<std::vector<float>> latent;  // key/query subspace directions (unit)
+  std::vector<std::vector<float>> key_private;  // key-only directions (unit)
   std::vector<float> latent_query_std;     // per direction
   std::vector<std::vector<float>> q_head_mult;  // [g][n_out + latent] per query head
   std::vector<int> value_channels;
   std::vector<std::vector<float>> value_latent;
+  std::vector<float> value_mean;  // D values
   std::vector<double> query_basis_scale;   // sqrt(eigenvalue) per basis column (real mode)
 };
 
@@ -162,8 +164,13 @@ HeadModel BuildHeadModel(const SyntheticSpec& s, int layer, int head) {
       std::vector<float> u(d);
       for (int i = 0; i < d; ++i) u[i] = float(s.query_basis[size_t(i) * d + order[j]]);
       m.latent.push_back(u);
+      basis.push_back(u);
       m.latent_query_std.push_back(0.0f);  // queries come from the full basis instead
     }
+  }
+  for (int j = 0; j < s.key_private_rank; ++j) {
+    m.key_private.push_back(RandomOrthogonalDirection(rng, d, basis));
+    basis.push_back(m.key_private.back());
   }
   const int g = s.num_q_heads / s.num_kv_heads;
   const int dirs = s.key_outlier_channels + s.latent_rank;
@@ -177,6 +184,8 @@ HeadModel BuildHeadModel(const SyntheticSpec& s, int layer, int head) {
     vbasis.push_back(RandomOrthogonalDirection(rng, d, vbasis));
   }
   m.value_latent = vbasis;
+  m.value_mean = RandomOrthogonalDirection(rng, d, {});
+  for (float& x : m.value_mean) x *= s.value_mean;
   return m;
 }
 
@@ -206,14 +215,15 @@ absl::Status ValidateSyntheticSpec(const SyntheticSpec& s) {
     return absl::InvalidArgumentError(
         absl::StrCat("synthetic spec: head_dim ", s.head_dim, " is not a power of two in [8, 1024]"));
   }
-  if (s.key_outlier_channels < 0 || s.latent_rank < 0 || s.value_outlier_channels < 0 ||
+  if (s.key_outlier_channels < 0 || s.latent_rank < 0 || s.key_private_rank < 0 ||
+      s.key_outlier_channels + s.latent_rank + s.key_private_rank > s.head_dim || s.value_outlier_channels < 0 ||
       s.value_latent_rank < 0 || s.key_outlier_channels + s.latent_rank > s.head_dim ||
       s.value_outlier_channels > s.head_dim || s.value_latent_rank > s.head_dim) {
     return absl::InvalidArgumentError(
         "synthetic spec: outlier channel and latent rank counts must be >= 0 and fit in head_dim");
   }
   for (float x : {s.key_outlier_mean, s.key_outlier_std, s.key_latent_std, s.key_noise_std,
-                  s.query_outlier_mean, s.query_outlier_std, s.query_latent_std,
+                  s.key_private_std, s.value_mean, s.query_outlier_mean, s.query_outlier_std, s.query_latent_std,
                   s.query_noise_std, s.value_outlier_std, s.value_latent_std, s.value_noise_std,
                   s.sink_logit_boost, s.sink_value_scale, s.needle_margin}) {
     if (!FiniteNonNegative(x)) {
@@ -306,8 +316,12 @@ absl::StatusOr<SyntheticLayer> GenerateSyntheticLayer(const SyntheticSpec& s, in
         const float a = krng.Normal() * s.key_latent_std;
         for (int x = 0; x < d; ++x) row[x] += a * dir[x];
       }
+      for (const auto& dir : m.key_private) {
+        const float a = krng.Normal() * s.key_private_std;
+        for (int x = 0; x < d; ++x) row[x] += a * dir[x];
+      }
       for (int j = 0; j < d; j += 2) krng.Normal2(&vrow[j], &vrow[j + 1]);
-      for (int j = 0; j < d; ++j) vrow[j] *= s.value_noise_std;
+      for (int j = 0; j < d; ++j) vrow[j] = vrow[j] * s.value_noise_std + m.value_mean[j];
       for (int c : m.value_channels) vrow[c] += krng.Normal() * s.value_outlier_std;
       for (const auto& dir : m.value_latent) {
         const float a = krng.Normal() * s.value_latent_std;

@@ -39,20 +39,26 @@ struct SyntheticSpec {
   float key_outlier_mean = 6.0f;    // |mean| of an outlier channel (sign random per channel)
   float key_outlier_std = 3.0f;     // std of an outlier channel
   int latent_rank = 8;              // dims of the shared key/query subspace beyond the outliers
-  float key_latent_std = 2.0f;      // key std along each latent direction
-  float key_noise_std = 0.5f;       // isotropic key noise per channel
+  float key_latent_std = 1.5f;      // key std along each latent direction
+  float key_noise_std = 0.3f;       // isotropic key noise per channel
+  // Key directions with large variance that queries hardly look at (so the
+  // keys' own covariance KᵀK ranks them first while the query covariance does
+  // not: the DESIGN section 3 ablation).
+  int key_private_rank = 2;
+  float key_private_std = 3.0f;
   // Queries: mean along the outlier channels, strong variance on the subspace.
   float query_outlier_mean = 1.0f;  // mean query along each outlier channel (sign matches keys)
-  float query_outlier_std = 1.5f;
-  float query_latent_std = 3.0f;    // top latent direction; later ones decay by query_decay
+  float query_outlier_std = 3.0f;
+  float query_latent_std = 1.5f;    // top latent direction; later ones decay by query_decay
   float query_decay = 0.8f;
   float query_noise_std = 0.3f;
   // Values: milder outliers, a small subspace, noise.
   int value_outlier_channels = 2;
   float value_outlier_std = 3.0f;
   int value_latent_rank = 4;
-  float value_latent_std = 1.5f;
-  float value_noise_std = 1.0f;
+  float value_latent_std = 2.0f;
+  float value_noise_std = 0.3f;
+  float value_mean = 2.0f;          // |mean| along one random value direction
   // Token 0 is an attention sink: the mean query's logit on it is this much
   // (scaled logit units, q·k/sqrt(D)) above the mean logit of other tokens.
   float sink_logit_boost = 6.0f;
