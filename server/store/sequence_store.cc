@@ -26,6 +26,7 @@ TierTotals& TierTotals::operator+=(const TierTotals& o) {
   recent_tokens += o.recent_tokens;
   history_bytes += o.history_bytes;
   exact_bytes += o.exact_bytes;
+  sink_bytes += o.sink_bytes;
   slot_bytes += o.slot_bytes;
   elements += o.elements;
   return *this;
@@ -37,6 +38,7 @@ TierTotals& TierTotals::operator-=(const TierTotals& o) {
   recent_tokens -= o.recent_tokens;
   history_bytes -= o.history_bytes;
   exact_bytes -= o.exact_bytes;
+  sink_bytes -= o.sink_bytes;
   slot_bytes -= o.slot_bytes;
   elements -= o.elements;
   return *this;
@@ -188,6 +190,7 @@ TierTotals SequenceStore::TotalsLocked(Sequence& seq) {
     t.recent_tokens += c.recent;
     t.history_bytes += int64_t(l.history_pages().size()) * int64_t(m.geom.page_bytes());
     t.exact_bytes += (c.sink + c.recent) * row_bytes * 2;
+    t.sink_bytes += c.sink * row_bytes * 2;
     t.slot_bytes += int64_t(l.history_pages().size()) * page_slot +
                     int64_t(l.sink_blocks().size() + l.recent_blocks().size()) * block_slot;
     t.elements += l.tokens() * int64_t(m.geom.exact_row_elems()) * 2;

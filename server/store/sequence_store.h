@@ -43,6 +43,7 @@ struct TierTotals {
   int64_t recent_tokens = 0;
   int64_t history_bytes = 0;  // pages x page bytes of the model
   int64_t exact_bytes = 0;    // sink + recent rows actually held, BF16
+  int64_t sink_bytes = 0;     // the sink part of exact_bytes
   int64_t slot_bytes = 0;     // pool slots held (pages and whole blocks)
   int64_t elements = 0;       // K and V elements: tokens x 2 x Hkv x D
 

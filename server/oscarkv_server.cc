@@ -1,0 +1,202 @@
+#include "server/oscarkv_server.h"
+
+#include <unistd.h>
+
+#include <algorithm>
+#include <cctype>
+#include <cstdlib>
+
+#include "absl/strings/numbers.h"
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_split.h"
+#include "grpcpp/ext/proto_server_reflection_plugin.h"
+#include "grpcpp/health_check_service_interface.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server_builder.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/status_macros.h"
+#ifdef OSCARKV_HAVE_CUDA
+#include "kernels/cuda/cuda_backend.h"
+#endif
+
+namespace oscarkv {
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, int cpu_threads,
+                                                       int cuda_device) {
+  if (kind == "cpu") return std::unique_ptr<Backend>(new CpuBackend(cpu_threads));
+  if (kind == "cuda" || kind == "auto") {
+#ifdef OSCARKV_HAVE_CUDA
+    absl::StatusOr<std::unique_ptr<Backend>> cuda = CreateCudaBackend(cuda_device);
+    if (cuda.ok() || kind == "cuda") return cuda;
+#else
+    (void)cuda_device;
+    if (kind == "cuda") {
+      return absl::FailedPreconditionError(
+          "--backend=cuda, but this build has no CUDA backend (nvcc was not found)");
+    }
+#endif
+    return std::unique_ptr<Backend>(new CpuBackend(cpu_threads));
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("unknown backend '", kind, "' (expected auto, cpu or cuda)"));
+}
+
+absl::StatusOr<size_t> ParsePoolSize(const std::string& text) {
+  std::string t = text;
+  t.erase(std::remove_if(t.begin(), t.end(), ::isspace), t.end());
+  size_t split = 0;
+  while (split < t.size() && (std::isdigit(static_cast<unsigned char>(t[split])) || t[split] == '.')) {
+    ++split;
+  }
+  double value = 0;
+  if (split == 0 || !absl::SimpleAtod(t.substr(0, split), &value) || value <= 0) {
+    return absl::InvalidArgumentError(absl::StrCat("pool size '", text,
+                                                   "' must be bytes (e.g. 2GiB) or a fraction "
+                                                   "in (0, 1) of available memory"));
+  }
+  std::string unit = t.substr(split);
+  for (char& c : unit) c = static_cast<char>(std::tolower(static_cast<unsigned char>(c)));
+  double mult = 1;
+  if (unit.empty() || unit == "b") {
+    mult = 1;
+  } else if (unit == "k" || unit == "kib" || unit == "kb") {
+    mult = 1024.0;
+  } else if (unit == "m" || unit == "mib" || unit == "mb") {
+    mult = 1024.0 * 1024;
+  } else if (unit == "g" || unit == "gib" || unit == "gb") {
+    mult = 1024.0 * 1024 * 1024;
+  } else if (unit == "t" || unit == "tib" || unit == "tb") {
+    mult = 1024.0 * 1024 * 1024 * 1024;
+  } else {
+    return absl::InvalidArgumentError(absl::StrCat("pool size '", text, "': unknown unit '",
+                                                   unit, "' (use B, KiB, MiB, GiB, TiB)"));
+  }
+  if (unit.empty() && value < 1.0) {
+    const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    if (pages <= 0 || page <= 0) {
+      return absl::FailedPreconditionError("cannot read the available memory");
+    }
+    return static_cast<size_t>(value * double(pages) * double(page));
+  }
+  return static_cast<size_t>(value * mult);
+}
+
+absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
+    const ServerOptions& options, std::shared_ptr<prometheus::Registry> registry,
+    CalibrationReader calibration_reader) {
+  std::unique_ptr<OscarkvServer> s(new OscarkvServer());
+  OSCARKV_ASSIGN_OR_RETURN(s->backend_,
+                           CreateBackend(options.backend, options.cpu_threads, options.cuda_device));
+  OSCARKV_RETURN_IF_ERROR(ValidateTiers(options.tiers));
+  if (options.models.empty()) return absl::InvalidArgumentError("no model to serve (--model)");
+
+  // Calibration files by model name.
+  std::vector<std::pair<std::string, std::string>> calibs;
+  for (const std::string& c : options.calibrations) {
+    std::vector<std::string> kv = absl::StrSplit(c, absl::MaxSplits('=', 1));
+    if (kv.size() != 2 || kv[0].empty() || kv[1].empty()) {
+      return absl::InvalidArgumentError(absl::StrCat("calibration '", c, "' must be model=path"));
+    }
+    calibs.emplace_back(kv[0], kv[1]);
+  }
+  size_t page_bytes = 0, block_bytes = 0;
+  for (const std::string& spec : options.models) {
+    OSCARKV_ASSIGN_OR_RETURN(auto parsed, ParseModelSpec(spec));
+    ModelRotation rotation;
+    auto calib = std::find_if(calibs.begin(), calibs.end(),
+                              [&](const auto& c) { return c.first == parsed.first; });
+    if (calib != calibs.end()) {
+      if (!calibration_reader) {
+        return absl::FailedPreconditionError(
+            "this build has no calibration file reader; drop --calibration");
+      }
+      OSCARKV_ASSIGN_OR_RETURN(rotation, calibration_reader(calib->second, true));
+      if (!(rotation.layout == parsed.second)) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "calibration ", calib->second, " is for layout ", rotation.layout.DebugString(),
+            " but model ", parsed.first, " is ", parsed.second.DebugString()));
+      }
+    } else {
+      OSCARKV_ASSIGN_OR_RETURN(rotation,
+                               HadamardRotation(parsed.second, options.clip_k, options.clip_v));
+    }
+    OSCARKV_ASSIGN_OR_RETURN(auto entry, MakeModelEntry(parsed.first, std::move(rotation),
+                                                        options.tiers, options.group_size,
+                                                        *s->backend_));
+    page_bytes = std::max(page_bytes, entry->geom.page_bytes());
+    block_bytes = std::max(block_bytes, entry->geom.exact_block_bytes());
+    OSCARKV_RETURN_IF_ERROR(s->models_.Register(std::move(entry), /*replace=*/false));
+  }
+  for (const auto& c : calibs) {
+    if (!s->models_.Find(c.first).ok()) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("calibration for '", c.first, "', which no --model names"));
+    }
+  }
+
+  PoolOptions pool_options;
+  pool_options.total_bytes = options.pool_bytes;
+  pool_options.exact_fraction = options.exact_fraction;
+  pool_options.page_bytes = page_bytes;
+  pool_options.block_bytes = block_bytes;
+  OSCARKV_ASSIGN_OR_RETURN(s->pool_, PagePool::Create(s->backend_.get(), pool_options));
+  s->store_ = std::make_unique<SequenceStore>(s->backend_.get(), s->pool_.get(), &s->models_,
+                                              options.eviction);
+
+  s->registry_ = std::move(registry);
+  if (s->registry_) {
+    s->metrics_ = std::make_unique<ServerMetrics>(*s->registry_);
+    OscarkvServer* self = s.get();
+    s->collectable_ = MakeRefreshingCollectable(s->registry_, [self] {
+      self->metrics_->Refresh(self->store_->Stats(), self->models_.List());
+    });
+  }
+
+  ServiceContext ctx;
+  ctx.store = s->store_.get();
+  ctx.models = &s->models_;
+  ctx.backend = s->backend_.get();
+  ctx.metrics = s->metrics_.get();
+  ctx.calibration_reader = std::move(calibration_reader);
+  ctx.tiers = options.tiers;
+  ctx.group_size = options.group_size;
+  ctx.clip_k = options.clip_k;
+  ctx.clip_v = options.clip_v;
+  ctx.max_message_bytes = options.max_message_bytes;
+  ctx.version = options.version;
+  s->service_ = std::make_unique<KvCacheService>(std::move(ctx));
+
+  grpc::EnableDefaultHealthCheckService(true);
+  grpc::reflection::InitProtoReflectionServerBuilderPlugin();
+  grpc::ServerBuilder builder;
+  builder.AddListeningPort(options.listen_address, grpc::InsecureServerCredentials(), &s->port_);
+  builder.RegisterService(s->service_.get());
+  builder.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
+  s->server_ = builder.BuildAndStart();
+  if (s->server_ == nullptr || s->port_ == 0) {
+    return absl::UnavailableError(
+        absl::StrCat("cannot listen on ", options.listen_address, " (in use or invalid)"));
+  }
+  s->server_->GetHealthCheckService()->SetServingStatus(true);
+  return s;
+}
+
+void OscarkvServer::Shutdown(std::chrono::system_clock::time_point deadline) {
+  if (shut_down_ || server_ == nullptr) return;
+  shut_down_ = true;
+  server_->GetHealthCheckService()->SetServingStatus(false);
+  server_->Shutdown(deadline);
+}
+
+void OscarkvServer::Wait() {
+  if (server_) server_->Wait();
+}
+
+OscarkvServer::~OscarkvServer() {
+  Shutdown(std::chrono::system_clock::now() + std::chrono::seconds(5));
+  Wait();
+}
+
+}  // namespace oscarkv

@@ -1,0 +1,99 @@
+// One oscarkv server: backend, pool, models, sequence store, the gRPC service
+// with health checking and reflection, and the metrics registry. Used by
+// main.cc and by the in-process tests (several may run in one process: no
+// globals beyond gRPC's own).
+//
+// Thread-safety: Start/Shutdown from one thread; everything else is safe.
+#ifndef OSCARKV_SERVER_OSCARKV_SERVER_H_
+#define OSCARKV_SERVER_OSCARKV_SERVER_H_
+
+#include <chrono>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/server.h"
+#include "kernels/backend.h"
+#include "prometheus/registry.h"
+#include "server/cache/page_pool.h"
+#include "server/service/kv_service.h"
+#include "server/service/server_metrics.h"
+#include "server/store/model_registry.h"
+#include "server/store/sequence_store.h"
+
+namespace oscarkv {
+
+struct ServerOptions {
+  std::string listen_address = "127.0.0.1:0";
+  std::string backend = "auto";  // auto | cpu | cuda
+  int cpu_threads = 0;           // 0: one per hardware thread
+  int cuda_device = 0;
+  size_t pool_bytes = size_t{256} << 20;
+  double exact_fraction = 0.25;  // pool share of BF16 sink/recent blocks
+  TierConfig tiers;
+  int group_size = 0;  // 0: G = D
+  float clip_k = 0.96f;
+  float clip_v = 0.92f;
+  // name:layers:q_heads:kv_heads:head_dim, registered with the Hadamard rotation
+  // unless a calibration below names the model.
+  std::vector<std::string> models = {"qwen3-8b:36:32:8:128"};
+  // model=path: oscarkv calibration files (needs a calibration reader).
+  std::vector<std::string> calibrations;
+  EvictionPolicy eviction = EvictionPolicy::kLru;
+  int64_t max_message_bytes = 64 << 20;
+  std::string version = "0.1.0";
+};
+
+class OscarkvServer {
+ public:
+  // Builds everything and starts serving. `registry` may be null (no metrics).
+  // `calibration_reader` may be null (Hadamard only).
+  static absl::StatusOr<std::unique_ptr<OscarkvServer>> Start(
+      const ServerOptions& options, std::shared_ptr<prometheus::Registry> registry,
+      CalibrationReader calibration_reader = nullptr);
+  ~OscarkvServer();
+
+  // The bound port (useful with port 0).
+  int port() const { return port_; }
+  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  // Stops accepting, lets in-flight calls finish until `deadline`, then
+  // cancels the rest. Idempotent.
+  void Shutdown(std::chrono::system_clock::time_point deadline);
+  void Wait();
+
+  // The scrape target for an Exposer (refreshes store gauges first).
+  std::shared_ptr<prometheus::Collectable> collectable() const { return collectable_; }
+  SequenceStore& store() { return *store_; }
+  ModelRegistry& models() { return models_; }
+  Backend& backend() { return *backend_; }
+  PagePool& pool() { return *pool_; }
+  ServerMetrics* metrics() { return metrics_.get(); }
+
+ private:
+  OscarkvServer() = default;
+
+  std::unique_ptr<Backend> backend_;
+  ModelRegistry models_;
+  std::unique_ptr<PagePool> pool_;
+  std::unique_ptr<SequenceStore> store_;
+  std::shared_ptr<prometheus::Registry> registry_;
+  std::unique_ptr<ServerMetrics> metrics_;
+  std::shared_ptr<prometheus::Collectable> collectable_;
+  std::unique_ptr<KvCacheService> service_;
+  std::unique_ptr<grpc::Server> server_;
+  int port_ = 0;
+  bool shut_down_ = false;
+};
+
+// Creates the backend named by `kind` (auto | cpu | cuda).
+absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, int cpu_threads,
+                                                       int cuda_device);
+
+// Parses "1073741824", "512MiB", "2GiB", "1.5G" (bytes), or a fraction in (0, 1)
+// of the available host memory (CPU backend).
+absl::StatusOr<size_t> ParsePoolSize(const std::string& text);
+
+}  // namespace oscarkv
+
+#endif  // OSCARKV_SERVER_OSCARKV_SERVER_H_

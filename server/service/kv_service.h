@@ -1,0 +1,96 @@
+// The oscarkv.v1.KvCache service on gRPC's callback API: unary handlers use
+// the default reactor, PutKv / GetKv / Attend have their own reactors
+// (kv_streams.cc, attend_reactor.cc). Handlers translate between protobuf and
+// the SequenceStore; every error leaves the store unchanged and comes back as
+// a precise status.
+//
+// Thread-safety: gRPC calls the handlers from its threads concurrently; all
+// state lives in the store, the registry and the metrics, which are safe.
+#ifndef OSCARKV_SERVER_SERVICE_KV_SERVICE_H_
+#define OSCARKV_SERVER_SERVICE_KV_SERVICE_H_
+
+#include <chrono>
+#include <functional>
+#include <memory>
+#include <string>
+
+#include "absl/status/statusor.h"
+#include "oscarkv/v1/kvcache.grpc.pb.h"
+#include "server/service/server_metrics.h"
+#include "server/store/model_registry.h"
+#include "server/store/sequence_store.h"
+
+namespace oscarkv {
+
+// Reads an oscarkv calibration file (path or contents) into a rotation.
+// Null: the server accepts only the data-free Hadamard source.
+using CalibrationReader =
+    std::function<absl::StatusOr<ModelRotation>(const std::string& path_or_bytes, bool is_path)>;
+
+struct ServiceContext {
+  SequenceStore* store = nullptr;
+  ModelRegistry* models = nullptr;
+  Backend* backend = nullptr;
+  ServerMetrics* metrics = nullptr;  // may be null
+  CalibrationReader calibration_reader;
+  TierConfig tiers;             // for models registered through LoadCalibration
+  int group_size = 0;           // 0: G = D
+  float clip_k = 0.96f;         // Hadamard defaults
+  float clip_v = 0.92f;
+  int64_t max_message_bytes = 64 << 20;
+  std::string version;
+};
+
+class KvCacheService final : public v1::KvCache::CallbackService {
+ public:
+  explicit KvCacheService(ServiceContext ctx) : ctx_(std::move(ctx)) {}
+
+  grpc::ServerReadReactor<v1::PutKvRequest>* PutKv(grpc::CallbackServerContext* context,
+                                                    v1::PutKvResponse* response) override;
+  grpc::ServerUnaryReactor* AppendKv(grpc::CallbackServerContext* context,
+                                     const v1::AppendKvRequest* request,
+                                     v1::AppendKvResponse* response) override;
+  grpc::ServerWriteReactor<v1::GetKvResponse>* GetKv(grpc::CallbackServerContext* context,
+                                                     const v1::GetKvRequest* request) override;
+  grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* Attend(
+      grpc::CallbackServerContext* context) override;
+  grpc::ServerUnaryReactor* DropSequence(grpc::CallbackServerContext* context,
+                                         const v1::DropSequenceRequest* request,
+                                         v1::DropSequenceResponse* response) override;
+  grpc::ServerUnaryReactor* GetSequence(grpc::CallbackServerContext* context,
+                                        const v1::GetSequenceRequest* request,
+                                        v1::SequenceInfo* response) override;
+  grpc::ServerUnaryReactor* ListSequences(grpc::CallbackServerContext* context,
+                                          const v1::ListSequencesRequest* request,
+                                          v1::ListSequencesResponse* response) override;
+  grpc::ServerUnaryReactor* GetServerInfo(grpc::CallbackServerContext* context,
+                                          const v1::GetServerInfoRequest* request,
+                                          v1::ServerInfo* response) override;
+  grpc::ServerUnaryReactor* LoadCalibration(grpc::CallbackServerContext* context,
+                                            const v1::LoadCalibrationRequest* request,
+                                            v1::LoadCalibrationResponse* response) override;
+
+  const ServiceContext& context() const { return ctx_; }
+  // Records one finished RPC in the metrics (no-op without metrics).
+  void Record(const char* method, std::chrono::steady_clock::time_point start,
+              absl::StatusCode code) const;
+
+ private:
+  absl::Status DoLoadCalibration(const v1::LoadCalibrationRequest& request,
+                                 v1::LoadCalibrationResponse* response);
+  ServiceContext ctx_;
+};
+
+// Reactor factories (kv_streams.cc, attend_reactor.cc).
+grpc::ServerReadReactor<v1::PutKvRequest>* NewPutKvReactor(const KvCacheService* service,
+                                                           grpc::CallbackServerContext* context,
+                                                           v1::PutKvResponse* response);
+grpc::ServerWriteReactor<v1::GetKvResponse>* NewGetKvReactor(const KvCacheService* service,
+                                                             grpc::CallbackServerContext* context,
+                                                             const v1::GetKvRequest* request);
+grpc::ServerBidiReactor<v1::AttendRequest, v1::AttendResponse>* NewAttendReactor(
+    const KvCacheService* service, grpc::CallbackServerContext* context);
+
+}  // namespace oscarkv
+
+#endif  // OSCARKV_SERVER_SERVICE_KV_SERVICE_H_
