@@ -1,0 +1,246 @@
+#include "client/kv_client.h"
+
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/security/credentials.h"
+#include "kernels/status_macros.h"
+
+namespace oscarkv {
+
+absl::Status FromGrpcStatus(const grpc::Status& status) {
+  if (status.ok()) return absl::OkStatus();
+  return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
+}
+
+std::unique_ptr<KvClient> KvClient::Create(const std::string& target, ClientOptions options) {
+  grpc::ChannelArguments args;
+  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
+  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
+  auto client = std::make_unique<KvClient>(std::move(channel), options);
+  client->target_ = target;
+  return client;
+}
+
+KvClient::KvClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
+    : options_(options), channel_(std::move(channel)), stub_(v1::KvCache::NewStub(channel_)) {}
+
+std::unique_ptr<grpc::ClientContext> KvClient::NewContext() const {
+  auto ctx = std::make_unique<grpc::ClientContext>();
+  ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  return ctx;
+}
+
+absl::Status KvClient::WithRetry(bool read_only, const std::function<grpc::Status()>& call) {
+  auto backoff = options_.backoff;
+  grpc::Status status;
+  for (int attempt = 1;; ++attempt) {
+    // Not READY before the call: an UNAVAILABLE failure means the connection
+    // could not be made, so none of the request was sent.
+    const bool was_ready = channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY;
+    status = call();
+    const bool retryable = status.error_code() == grpc::StatusCode::UNAVAILABLE &&
+                           (read_only || !was_ready);
+    if (!retryable || attempt >= options_.max_attempts) break;
+    std::this_thread::sleep_for(backoff);
+    backoff *= 2;
+  }
+  return FromGrpcStatus(status);
+}
+
+absl::StatusOr<int64_t> KvClient::Append(const std::string& sequence_id,
+                                         const ModelLayout& layout, int layer,
+                                         int64_t start_token, int64_t n, const bf16_bits* k,
+                                         const bf16_bits* v) {
+  v1::AppendKvRequest req;
+  req.set_sequence_id(sequence_id);
+  v1::KvChunk* c = req.mutable_chunk();
+  const int layers = layer < 0 ? layout.num_layers : 1;
+  const size_t bytes = size_t(layers) * n * layout.num_kv_heads * layout.head_dim * 2;
+  c->set_layer(layer);
+  c->set_start_token(start_token);
+  c->set_num_tokens(static_cast<int32_t>(n));
+  c->set_k(reinterpret_cast<const char*>(k), bytes);
+  c->set_v(reinterpret_cast<const char*>(v), bytes);
+  v1::AppendKvResponse resp;
+  // A repeated append is refused by the start_token check, but keep to the
+  // rule: only retried when nothing was sent.
+  OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {
+    auto ctx = NewContext();
+    return stub_->AppendKv(ctx.get(), req, &resp);
+  }));
+  return resp.tokens();
+}
+
+absl::StatusOr<int64_t> KvClient::Drop(const std::string& sequence_id) {
+  v1::DropSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  v1::DropSequenceResponse resp;
+  OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {
+    auto ctx = NewContext();
+    return stub_->DropSequence(ctx.get(), req, &resp);
+  }));
+  return resp.freed_bytes();
+}
+
+absl::StatusOr<v1::SequenceInfo> KvClient::Stat(const std::string& sequence_id) {
+  v1::GetSequenceRequest req;
+  req.set_sequence_id(sequence_id);
+  v1::SequenceInfo resp;
+  OSCARKV_RETURN_IF_ERROR(WithRetry(true, [&] {
+    auto ctx = NewContext();
+    return stub_->GetSequence(ctx.get(), req, &resp);
+  }));
+  return resp;
+}
+
+absl::StatusOr<std::vector<v1::SequenceInfo>> KvClient::List(const std::string& model) {
+  std::vector<v1::SequenceInfo> all;
+  std::string token;
+  do {
+    v1::ListSequencesRequest req;
+    req.set_model(model);
+    req.set_page_token(token);
+    v1::ListSequencesResponse resp;
+    OSCARKV_RETURN_IF_ERROR(WithRetry(true, [&] {
+      auto ctx = NewContext();
+      return stub_->ListSequences(ctx.get(), req, &resp);
+    }));
+    for (auto& s : *resp.mutable_sequences()) all.push_back(std::move(s));
+    token = resp.next_page_token();
+  } while (!token.empty());
+  return all;
+}
+
+absl::StatusOr<v1::ServerInfo> KvClient::Info() {
+  v1::ServerInfo resp;
+  OSCARKV_RETURN_IF_ERROR(WithRetry(true, [&] {
+    auto ctx = NewContext();
+    return stub_->GetServerInfo(ctx.get(), v1::GetServerInfoRequest(), &resp);
+  }));
+  return resp;
+}
+
+absl::StatusOr<v1::ModelInfo> KvClient::LoadCalibration(const v1::LoadCalibrationRequest& req) {
+  v1::LoadCalibrationResponse resp;
+  OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {
+    auto ctx = NewContext();
+    return stub_->LoadCalibration(ctx.get(), req, &resp);
+  }));
+  return resp.model();
+}
+
+absl::StatusOr<ModelLayout> KvClient::ModelLayoutOf(const std::string& model) {
+  OSCARKV_ASSIGN_OR_RETURN(v1::ServerInfo info, Info());
+  for (const v1::ModelInfo& m : info.models()) {
+    if (m.name() == model) {
+      return ModelLayout{m.layout().num_layers(), m.layout().num_q_heads(),
+                         m.layout().num_kv_heads(), m.layout().head_dim()};
+    }
+  }
+  return absl::NotFoundError(absl::StrCat("server ", target_, " has no model '", model, "'"));
+}
+
+namespace {
+
+// Owns what an async unary call needs until its callback runs.
+template <typename Req, typename Resp, typename Out>
+struct AsyncCall {
+  grpc::ClientContext context;
+  Req request;
+  Resp response;
+  std::promise<absl::StatusOr<Out>> promise;
+};
+
+}  // namespace
+
+std::future<absl::StatusOr<v1::SequenceInfo>> KvClient::StatAsync(const std::string& id) {
+  auto* call = new AsyncCall<v1::GetSequenceRequest, v1::SequenceInfo, v1::SequenceInfo>();
+  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  call->request.set_sequence_id(id);
+  auto future = call->promise.get_future();
+  stub_->async()->GetSequence(&call->context, &call->request, &call->response,
+                              [call](grpc::Status s) {
+                                if (s.ok()) {
+                                  call->promise.set_value(std::move(call->response));
+                                } else {
+                                  call->promise.set_value(FromGrpcStatus(s));
+                                }
+                                delete call;
+                              });
+  return future;
+}
+
+std::future<absl::StatusOr<int64_t>> KvClient::DropAsync(const std::string& id) {
+  auto* call = new AsyncCall<v1::DropSequenceRequest, v1::DropSequenceResponse, int64_t>();
+  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  call->request.set_sequence_id(id);
+  auto future = call->promise.get_future();
+  stub_->async()->DropSequence(&call->context, &call->request, &call->response,
+                               [call](grpc::Status s) {
+                                 if (s.ok()) {
+                                   call->promise.set_value(call->response.freed_bytes());
+                                 } else {
+                                   call->promise.set_value(FromGrpcStatus(s));
+                                 }
+                                 delete call;
+                               });
+  return future;
+}
+
+std::future<absl::StatusOr<v1::ServerInfo>> KvClient::InfoAsync() {
+  auto* call = new AsyncCall<v1::GetServerInfoRequest, v1::ServerInfo, v1::ServerInfo>();
+  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  auto future = call->promise.get_future();
+  stub_->async()->GetServerInfo(&call->context, &call->request, &call->response,
+                                [call](grpc::Status s) {
+                                  if (s.ok()) {
+                                    call->promise.set_value(std::move(call->response));
+                                  } else {
+                                    call->promise.set_value(FromGrpcStatus(s));
+                                  }
+                                  delete call;
+                                });
+  return future;
+}
+
+std::future<absl::StatusOr<int64_t>> KvClient::AppendAsync(const std::string& id,
+                                                           const ModelLayout& layout, int layer,
+                                                           int64_t start_token, int64_t n,
+                                                           const bf16_bits* k,
+                                                           const bf16_bits* v) {
+  auto* call = new AsyncCall<v1::AppendKvRequest, v1::AppendKvResponse, int64_t>();
+  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  call->request.set_sequence_id(id);
+  v1::KvChunk* c = call->request.mutable_chunk();
+  const int layers = layer < 0 ? layout.num_layers : 1;
+  const size_t bytes = size_t(layers) * n * layout.num_kv_heads * layout.head_dim * 2;
+  c->set_layer(layer);
+  c->set_start_token(start_token);
+  c->set_num_tokens(static_cast<int32_t>(n));
+  c->set_k(reinterpret_cast<const char*>(k), bytes);
+  c->set_v(reinterpret_cast<const char*>(v), bytes);
+  auto future = call->promise.get_future();
+  stub_->async()->AppendKv(&call->context, &call->request, &call->response,
+                           [call](grpc::Status s) {
+                             if (s.ok()) {
+                               call->promise.set_value(call->response.tokens());
+                             } else {
+                               call->promise.set_value(FromGrpcStatus(s));
+                             }
+                             delete call;
+                           });
+  return future;
+}
+
+std::future<absl::StatusOr<PutResult>> KvClient::PutSequenceAsync(
+    const std::string& sequence_id, const std::string& model, const ModelLayout& layout,
+    int64_t tokens, const bf16_bits* k, const bf16_bits* v, bool pin) {
+  return std::async(std::launch::async, [=] {
+    return PutSequence(sequence_id, model, layout, tokens, k, v, pin);
+  });
+}
+
+}  // namespace oscarkv

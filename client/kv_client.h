@@ -1,0 +1,212 @@
+// The oscarkv C++ client: what a prefill or decode process links to talk to an
+// oscarkv-server (proto/oscarkv/v1/kvcache.proto).
+//
+// Every call has a deadline (ClientOptions::deadline unless stated). Retries
+// happen only where they are safe: a call that failed with UNAVAILABLE while
+// the channel had never connected (no byte of it was sent) is retried with
+// backoff; read-only calls are also retried after a connection loss. Nothing
+// else is retried.
+//
+// Thread-safety: a KvClient may be used from many threads at once. PutStream
+// and AttendSession objects belong to one thread at a time.
+#ifndef OSCARKV_CLIENT_KV_CLIENT_H_
+#define OSCARKV_CLIENT_KV_CLIENT_H_
+
+#include <chrono>
+#include <cstdint>
+#include <functional>
+#include <future>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "absl/status/statusor.h"
+#include "grpcpp/channel.h"
+#include "grpcpp/client_context.h"
+#include "kernels/layout.h"
+#include "kernels/numeric.h"
+#include "oscarkv/v1/kvcache.grpc.pb.h"
+
+namespace oscarkv {
+
+struct ClientOptions {
+  std::chrono::milliseconds deadline{60000};  // per call (a whole stream for streams)
+  int max_attempts = 4;                        // attempts for a retryable failure
+  std::chrono::milliseconds backoff{50};       // doubled per attempt
+  int64_t max_message_bytes = 64 << 20;
+  int64_t chunk_bytes = 4 << 20;  // PutKv payload per message (K + V)
+};
+
+// Progress of a long transfer: bytes done and total (0 when unknown).
+using ProgressFn = std::function<void(int64_t done, int64_t total)>;
+
+struct PutResult {
+  int64_t tokens = 0;
+  int64_t bf16_bytes_sent = 0;
+  int64_t stored_bytes = 0;
+  double effective_bits = 0;
+};
+
+// An open PutKv stream (one sequence). Write chunks in token order per layer,
+// then Finish() to commit. Destroying it without Finish() cancels the stream:
+// the server stores nothing.
+class PutStream {
+ public:
+  ~PutStream();
+  // One layer (layer >= 0) or all layers (-1; k, v are [L][n][Hkv][D]).
+  absl::Status Write(int layer, int64_t start_token, int64_t n, const bf16_bits* k,
+                     const bf16_bits* v);
+  absl::StatusOr<PutResult> Finish();
+  // Abandons the stream; the server discards the partial sequence.
+  void Cancel();
+
+ private:
+  friend class KvClient;
+  PutStream() = default;
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<v1::PutKvResponse> response_;
+  std::unique_ptr<grpc::ClientWriter<v1::PutKvRequest>> writer_;
+  ModelLayout layout_;
+  int64_t bytes_sent_ = 0;
+  bool done_ = false;
+};
+
+// One layer of a GetKv transfer.
+struct FetchedLayer {
+  int64_t tokens = 0;
+  // COMPRESSED: tiers as stored. BF16 [rows][Hkv][D].
+  int64_t sink_tokens = 0, history_tokens = 0, recent_tokens = 0;
+  std::vector<bf16_bits> sink_k, sink_v, recent_k, recent_v;
+  std::vector<uint8_t> pages;  // history pages, page_format.h layout
+  int num_matrices = 0;        // 0 when the rotation was not requested
+  std::vector<float> r_k, r_v;
+  float clip_k = 0, clip_v = 0;
+  // BF16: the whole layer [tokens][Hkv][D].
+  std::vector<bf16_bits> k, v;
+};
+
+struct FetchedSequence {
+  v1::SequenceInfo info;
+  v1::KvFormat format = v1::KV_FORMAT_COMPRESSED;
+  std::vector<FetchedLayer> layers;  // indexed by layer; unrequested layers stay empty
+  std::vector<bool> present;
+  int64_t bytes_received = 0;
+};
+
+struct AttendQuery {
+  std::string sequence_id;
+  int layer = 0;
+  const float* q = nullptr;  // [Hq][D]
+  // Optional fused append of the current token: [Hkv][D] each, both or neither.
+  const bf16_bits* k = nullptr;
+  const bf16_bits* v = nullptr;
+  int64_t position = -1;  // the appended token's index (checked when > 0)
+};
+
+struct AttendOutput {
+  absl::Status status;
+  std::vector<float> out;  // [Hq][D]
+  std::vector<float> lse;  // [Hq] when requested
+  int64_t tokens = 0;
+};
+
+// A decode-side Attend stream: each Call() sends one batch (e.g. one layer of
+// one decode step for many sequences) and waits for its reply.
+class AttendSession {
+ public:
+  ~AttendSession();
+  // `layouts` gives each query's shape: q bytes = Hq*D*4, k/v = Hkv*D*2.
+  absl::StatusOr<std::vector<AttendOutput>> Call(const std::vector<AttendQuery>& queries,
+                                                 const std::vector<ModelLayout>& layouts,
+                                                 bool return_lse);
+  // Half-closes and returns the stream's final status.
+  absl::Status Close();
+
+ private:
+  friend class KvClient;
+  AttendSession() = default;
+  std::unique_ptr<grpc::ClientContext> context_;
+  std::unique_ptr<grpc::ClientReaderWriter<v1::AttendRequest, v1::AttendResponse>> stream_;
+  uint64_t next_id_ = 1;
+  bool closed_ = false;
+};
+
+class KvClient {
+ public:
+  // Connects lazily to `target` (host:port) over an insecure channel.
+  static std::unique_ptr<KvClient> Create(const std::string& target, ClientOptions options = {});
+  KvClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options);
+
+  const std::string& target() const { return target_; }
+  const ClientOptions& options() const { return options_; }
+
+  // ---- ingest
+  absl::StatusOr<std::unique_ptr<PutStream>> OpenPut(const std::string& sequence_id,
+                                                      const std::string& model,
+                                                      const ModelLayout& layout, bool pin,
+                                                      int64_t expected_tokens);
+  // Streams a whole prefill cache, k and v BF16 [L][T][Hkv][D], in chunks of
+  // about ClientOptions::chunk_bytes (all layers per chunk when they fit,
+  // else layer by layer), and commits it.
+  absl::StatusOr<PutResult> PutSequence(const std::string& sequence_id, const std::string& model,
+                                        const ModelLayout& layout, int64_t tokens,
+                                        const bf16_bits* k, const bf16_bits* v, bool pin = false,
+                                        const ProgressFn& progress = nullptr);
+  // Appends n decode tokens to one layer or all (-1): k, v [layers][n][Hkv][D].
+  absl::StatusOr<int64_t> Append(const std::string& sequence_id, const ModelLayout& layout,
+                                 int layer, int64_t start_token, int64_t n, const bf16_bits* k,
+                                 const bf16_bits* v);
+
+  // ---- read
+  absl::StatusOr<FetchedSequence> GetKv(const std::string& sequence_id, v1::KvFormat format,
+                                        const std::vector<int>& layers = {},
+                                        bool include_rotation = true,
+                                        const ProgressFn& progress = nullptr);
+  absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttend();
+  // One Attend round trip on a fresh stream (convenience).
+  absl::StatusOr<std::vector<AttendOutput>> Attend(const std::vector<AttendQuery>& queries,
+                                                   const ModelLayout& layout, bool return_lse);
+
+  // ---- admin
+  absl::StatusOr<int64_t> Drop(const std::string& sequence_id);
+  absl::StatusOr<v1::SequenceInfo> Stat(const std::string& sequence_id);
+  absl::StatusOr<std::vector<v1::SequenceInfo>> List(const std::string& model = "");
+  absl::StatusOr<v1::ServerInfo> Info();
+  absl::StatusOr<v1::ModelInfo> LoadCalibration(const v1::LoadCalibrationRequest& request);
+  // The layout of a registered model (from Info()).
+  absl::StatusOr<ModelLayout> ModelLayoutOf(const std::string& model);
+
+  // ---- async (gRPC callback API; the future is ready when the call ends)
+  std::future<absl::StatusOr<v1::SequenceInfo>> StatAsync(const std::string& sequence_id);
+  std::future<absl::StatusOr<int64_t>> DropAsync(const std::string& sequence_id);
+  std::future<absl::StatusOr<v1::ServerInfo>> InfoAsync();
+  std::future<absl::StatusOr<int64_t>> AppendAsync(const std::string& sequence_id,
+                                                   const ModelLayout& layout, int layer,
+                                                   int64_t start_token, int64_t n,
+                                                   const bf16_bits* k, const bf16_bits* v);
+  // Runs PutSequence on its own thread; k and v must stay valid until ready.
+  std::future<absl::StatusOr<PutResult>> PutSequenceAsync(const std::string& sequence_id,
+                                                          const std::string& model,
+                                                          const ModelLayout& layout,
+                                                          int64_t tokens, const bf16_bits* k,
+                                                          const bf16_bits* v, bool pin = false);
+
+  v1::KvCache::Stub& stub() { return *stub_; }
+
+ private:
+  std::unique_ptr<grpc::ClientContext> NewContext() const;
+  // Runs `call` (one attempt) with the retry rule of the header comment.
+  absl::Status WithRetry(bool read_only, const std::function<grpc::Status()>& call);
+
+  std::string target_;
+  ClientOptions options_;
+  std::shared_ptr<grpc::Channel> channel_;
+  std::unique_ptr<v1::KvCache::Stub> stub_;
+};
+
+// grpc::Status -> absl::Status (same codes).
+absl::Status FromGrpcStatus(const grpc::Status& status);
+
+}  // namespace oscarkv
+
+#endif  // OSCARKV_CLIENT_KV_CLIENT_H_

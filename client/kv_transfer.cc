@@ -1,0 +1,290 @@
+// The streaming calls of KvClient: PutKv, GetKv and Attend.
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "absl/strings/str_cat.h"
+#include "client/kv_client.h"
+#include "kernels/status_macros.h"
+
+namespace oscarkv {
+namespace {
+
+size_t RowElems(const ModelLayout& l) { return size_t(l.num_kv_heads) * l.head_dim; }
+
+template <typename T>
+void AppendBytes(const std::string& bytes, std::vector<T>* out) {
+  const size_t n = bytes.size() / sizeof(T);
+  const size_t old = out->size();
+  out->resize(old + n);
+  std::memcpy(out->data() + old, bytes.data(), n * sizeof(T));
+}
+
+}  // namespace
+
+PutStream::~PutStream() {
+  if (!done_) Cancel();
+}
+
+void PutStream::Cancel() {
+  if (done_) return;
+  done_ = true;
+  context_->TryCancel();
+  writer_->Finish();  // returns CANCELLED; the server discards the stream
+}
+
+absl::Status PutStream::Write(int layer, int64_t start_token, int64_t n, const bf16_bits* k,
+                              const bf16_bits* v) {
+  if (done_) return absl::FailedPreconditionError("PutStream already finished");
+  const int layers = layer < 0 ? layout_.num_layers : 1;
+  const size_t bytes = size_t(layers) * n * RowElems(layout_) * sizeof(bf16_bits);
+  v1::PutKvRequest req;
+  v1::KvChunk* c = req.mutable_chunk();
+  c->set_layer(layer);
+  c->set_start_token(start_token);
+  c->set_num_tokens(static_cast<int32_t>(n));
+  c->set_k(reinterpret_cast<const char*>(k), bytes);
+  c->set_v(reinterpret_cast<const char*>(v), bytes);
+  if (!writer_->Write(req)) {
+    // The server ended the stream (an error status is waiting in Finish()).
+    done_ = true;
+    return FromGrpcStatus(writer_->Finish());
+  }
+  bytes_sent_ += int64_t(2 * bytes);
+  return absl::OkStatus();
+}
+
+absl::StatusOr<PutResult> PutStream::Finish() {
+  if (done_) return absl::FailedPreconditionError("PutStream already finished");
+  done_ = true;
+  writer_->WritesDone();
+  OSCARKV_RETURN_IF_ERROR(FromGrpcStatus(writer_->Finish()));
+  PutResult r;
+  r.tokens = response_->tokens();
+  r.bf16_bytes_sent = bytes_sent_;
+  r.stored_bytes = response_->stored_bytes();
+  r.effective_bits = response_->effective_bits();
+  return r;
+}
+
+absl::StatusOr<std::unique_ptr<PutStream>> KvClient::OpenPut(const std::string& sequence_id,
+                                                              const std::string& model,
+                                                              const ModelLayout& layout, bool pin,
+                                                              int64_t expected_tokens) {
+  v1::PutKvRequest header;
+  header.mutable_header()->set_sequence_id(sequence_id);
+  header.mutable_header()->set_model(model);
+  header.mutable_header()->set_pin(pin);
+  header.mutable_header()->set_expected_tokens(expected_tokens);
+  auto backoff = options_.backoff;
+  for (int attempt = 1;; ++attempt) {
+    std::unique_ptr<PutStream> s(new PutStream());
+    s->context_ = NewContext();
+    s->response_ = std::make_unique<v1::PutKvResponse>();
+    s->layout_ = layout;
+    s->writer_ = stub_->PutKv(s->context_.get(), s->response_.get());
+    if (s->writer_->Write(header)) return s;
+    // The header could not be sent: nothing reached the server.
+    s->done_ = true;
+    const grpc::Status status = s->writer_->Finish();
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= options_.max_attempts) {
+      return FromGrpcStatus(status);
+    }
+    std::this_thread::sleep_for(backoff);
+    backoff *= 2;
+  }
+}
+
+absl::StatusOr<PutResult> KvClient::PutSequence(const std::string& sequence_id,
+                                                const std::string& model,
+                                                const ModelLayout& layout, int64_t tokens,
+                                                const bf16_bits* k, const bf16_bits* v, bool pin,
+                                                const ProgressFn& progress) {
+  if (tokens <= 0) return absl::InvalidArgumentError("PutSequence needs at least one token");
+  OSCARKV_ASSIGN_OR_RETURN(std::unique_ptr<PutStream> stream,
+                           OpenPut(sequence_id, model, layout, pin, tokens));
+  const size_t row = RowElems(layout);
+  const int64_t token_bytes = int64_t(row) * 2 * 2;
+  const int64_t per_chunk =
+      std::max<int64_t>(1, std::min(options_.chunk_bytes, options_.max_message_bytes - (64 << 10)) /
+                               token_bytes);
+  const int64_t total = int64_t(layout.num_layers) * tokens * token_bytes;
+  int64_t done = 0;
+  for (int l = 0; l < layout.num_layers; ++l) {
+    const size_t base = size_t(l) * tokens * row;
+    for (int64_t t = 0; t < tokens; t += per_chunk) {
+      const int64_t n = std::min(per_chunk, tokens - t);
+      OSCARKV_RETURN_IF_ERROR(stream->Write(l, t, n, k + base + t * row, v + base + t * row));
+      done += n * token_bytes;
+      if (progress) progress(done, total);
+    }
+  }
+  return stream->Finish();
+}
+
+absl::StatusOr<FetchedSequence> KvClient::GetKv(const std::string& sequence_id,
+                                                v1::KvFormat format,
+                                                const std::vector<int>& layers,
+                                                bool include_rotation,
+                                                const ProgressFn& progress) {
+  v1::GetKvRequest req;
+  req.set_sequence_id(sequence_id);
+  req.set_format(format);
+  for (int l : layers) req.add_layers(l);
+  req.set_include_rotation(include_rotation);
+  req.set_max_chunk_bytes(std::min<int64_t>(options_.chunk_bytes, options_.max_message_bytes / 2));
+  FetchedSequence out;
+  out.format = format == v1::KV_FORMAT_BF16 ? v1::KV_FORMAT_BF16 : v1::KV_FORMAT_COMPRESSED;
+  // Read-only: a stream that breaks with UNAVAILABLE is fetched again whole.
+  absl::Status status = WithRetry(true, [&]() -> grpc::Status {
+    out = FetchedSequence();
+    out.format = format == v1::KV_FORMAT_BF16 ? v1::KV_FORMAT_BF16 : v1::KV_FORMAT_COMPRESSED;
+    auto ctx = NewContext();
+    auto reader = stub_->GetKv(ctx.get(), req);
+    v1::GetKvResponse msg;
+    int64_t total = 0;
+    while (reader->Read(&msg)) {
+      out.bytes_received += int64_t(msg.ByteSizeLong());
+      switch (msg.payload_case()) {
+        case v1::GetKvResponse::kHeader: {
+          out.info = msg.header();
+          const int num_layers = out.info.layout().num_layers();
+          out.layers.assign(num_layers, FetchedLayer());
+          out.present.assign(num_layers, false);
+          const int64_t row = int64_t(out.info.layout().num_kv_heads()) * out.info.layout().head_dim();
+          const int64_t nl = layers.empty() ? num_layers : int64_t(layers.size());
+          total = format == v1::KV_FORMAT_BF16 ? nl * out.info.tokens() * row * 4
+                                               : out.info.stored_bytes() * nl / std::max(1, num_layers);
+          break;
+        }
+        case v1::GetKvResponse::kBf16: {
+          const v1::KvChunk& c = msg.bf16();
+          if (c.layer() < 0 || c.layer() >= int(out.layers.size())) break;
+          FetchedLayer& fl = out.layers[c.layer()];
+          out.present[c.layer()] = true;
+          AppendBytes(c.k(), &fl.k);
+          AppendBytes(c.v(), &fl.v);
+          fl.tokens = c.start_token() + c.num_tokens();
+          break;
+        }
+        case v1::GetKvResponse::kCompressed: {
+          const v1::CompressedChunk& c = msg.compressed();
+          if (c.layer() < 0 || c.layer() >= int(out.layers.size())) break;
+          FetchedLayer& fl = out.layers[c.layer()];
+          out.present[c.layer()] = true;
+          if (c.has_rotation()) {
+            fl.num_matrices = c.rotation().num_matrices();
+            fl.r_k.clear();
+            fl.r_v.clear();
+            AppendBytes(c.rotation().r_k(), &fl.r_k);
+            AppendBytes(c.rotation().r_v(), &fl.r_v);
+            fl.clip_k = c.rotation().clip_k();
+            fl.clip_v = c.rotation().clip_v();
+          }
+          if (c.tier() == v1::TIER_SINK) {
+            AppendBytes(c.k(), &fl.sink_k);
+            AppendBytes(c.v(), &fl.sink_v);
+            fl.sink_tokens += c.num_tokens();
+          } else if (c.tier() == v1::TIER_HISTORY) {
+            AppendBytes(c.pages(), &fl.pages);
+            fl.history_tokens += c.num_tokens();
+          } else if (c.tier() == v1::TIER_RECENT) {
+            AppendBytes(c.k(), &fl.recent_k);
+            AppendBytes(c.v(), &fl.recent_v);
+            fl.recent_tokens += c.num_tokens();
+          }
+          fl.tokens = fl.sink_tokens + fl.history_tokens + fl.recent_tokens;
+          break;
+        }
+        default:
+          break;
+      }
+      if (progress) progress(out.bytes_received, total);
+    }
+    return reader->Finish();
+  });
+  if (!status.ok()) return status;
+  return out;
+}
+
+AttendSession::~AttendSession() {
+  if (!closed_) {
+    context_->TryCancel();
+    stream_->Finish();
+  }
+}
+
+absl::StatusOr<std::vector<AttendOutput>> AttendSession::Call(
+    const std::vector<AttendQuery>& queries, const std::vector<ModelLayout>& layouts,
+    bool return_lse) {
+  if (closed_) return absl::FailedPreconditionError("AttendSession is closed");
+  if (layouts.size() != queries.size() && layouts.size() != 1) {
+    return absl::InvalidArgumentError("give one layout, or one per query");
+  }
+  v1::AttendRequest req;
+  req.set_return_lse(return_lse);
+  req.set_request_id(next_id_++);
+  for (size_t i = 0; i < queries.size(); ++i) {
+    const AttendQuery& q = queries[i];
+    const ModelLayout& l = layouts.size() == 1 ? layouts[0] : layouts[i];
+    v1::AttendItem* item = req.add_items();
+    item->set_sequence_id(q.sequence_id);
+    item->set_layer(q.layer);
+    item->set_q(reinterpret_cast<const char*>(q.q), size_t(l.num_q_heads) * l.head_dim * 4);
+    if (q.k != nullptr && q.v != nullptr) {
+      const size_t kv = size_t(l.num_kv_heads) * l.head_dim * 2;
+      item->set_k(reinterpret_cast<const char*>(q.k), kv);
+      item->set_v(reinterpret_cast<const char*>(q.v), kv);
+      item->set_position(q.position);
+    }
+  }
+  v1::AttendResponse resp;
+  if (!stream_->Write(req) || !stream_->Read(&resp)) {
+    closed_ = true;
+    const absl::Status s = FromGrpcStatus(stream_->Finish());
+    return s.ok() ? absl::UnavailableError("Attend stream ended early") : s;
+  }
+  if (resp.results_size() != int(queries.size())) {
+    return absl::InternalError(absl::StrCat("Attend reply has ", resp.results_size(),
+                                            " results for ", queries.size(), " items"));
+  }
+  std::vector<AttendOutput> out(queries.size());
+  for (size_t i = 0; i < queries.size(); ++i) {
+    const v1::AttendResult& r = resp.results(int(i));
+    if (r.code() != 0) {
+      out[i].status = absl::Status(static_cast<absl::StatusCode>(r.code()), r.error());
+      continue;
+    }
+    AppendBytes(r.out(), &out[i].out);
+    AppendBytes(r.lse(), &out[i].lse);
+    out[i].tokens = r.tokens();
+  }
+  return out;
+}
+
+absl::Status AttendSession::Close() {
+  if (closed_) return absl::OkStatus();
+  closed_ = true;
+  stream_->WritesDone();
+  return FromGrpcStatus(stream_->Finish());
+}
+
+absl::StatusOr<std::unique_ptr<AttendSession>> KvClient::OpenAttend() {
+  std::unique_ptr<AttendSession> s(new AttendSession());
+  s->context_ = NewContext();
+  s->stream_ = stub_->Attend(s->context_.get());
+  if (s->stream_ == nullptr) return absl::UnavailableError("cannot open an Attend stream");
+  return s;
+}
+
+absl::StatusOr<std::vector<AttendOutput>> KvClient::Attend(const std::vector<AttendQuery>& queries,
+                                                           const ModelLayout& layout,
+                                                           bool return_lse) {
+  OSCARKV_ASSIGN_OR_RETURN(std::unique_ptr<AttendSession> session, OpenAttend());
+  OSCARKV_ASSIGN_OR_RETURN(std::vector<AttendOutput> out,
+                           session->Call(queries, {layout}, return_lse));
+  OSCARKV_RETURN_IF_ERROR(session->Close());
+  return out;
+}
+
+}  // namespace oscarkv
