@@ -13,16 +13,51 @@ constexpr int kMaxGroup = 64;   // query heads per kv head handled in one pass
 constexpr int kMaxDim = 256;
 constexpr int kChunk = 32;      // tokens whose logits are computed before one rescale
 
-inline float Dot(const float* a, const float* b, int n) {
-  float s[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-  for (int j = 0; j < n; j += 8) {
-    for (int k = 0; k < 8; ++k) s[k] += a[j + k] * b[j + k];
-  }
-  return ((s[0] + s[1]) + (s[2] + s[3])) + ((s[4] + s[5]) + (s[6] + s[7]));
+// 16-float vectors (GCC vector extension: zmm with AVX-512, two ymm with AVX2).
+typedef float V16 __attribute__((vector_size(64)));
+typedef float V16u __attribute__((vector_size(64), aligned(4)));
+inline V16 Load(const float* p) { return *reinterpret_cast<const V16u*>(p); }
+inline void Store(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
+inline float HSum(V16 v) {
+  float s = 0.0f;
+  for (int l = 0; l < 16; ++l) s += v[l];
+  return s;
 }
 
-inline void Axpy(float a, const float* x, float* y, int n) {
-  for (int j = 0; j < n; ++j) y[j] += a * x[j];
+// e^x for 16 lanes, x <= 0 (logit minus running max): Cody–Waite range
+// reduction x = n·ln2 + r and a degree-6 polynomial for e^r; relative error
+// below 2e-7, and exactly 0 below -87.
+inline V16 ExpNonPositive(V16 x) {
+  typedef int I16 __attribute__((vector_size(64)));
+  const V16 lo = x < -87.0f ? V16{} - 87.0f : x;  // lanes stay finite; masked to 0 below
+  x = (x < -87.0f) ? lo : x;
+  V16 n = x * 1.44269504088896341f;
+  // round to nearest: add and subtract 1.5·2^23
+  n = (n + 12582912.0f) - 12582912.0f;
+  V16 r = x - n * 0.693359375f;
+  r = r - n * -2.12194440e-4f;
+  V16 p = V16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  p = p * r * r + r + 1.0f;
+  I16 ni = __builtin_convertvector(n, I16);
+  I16 bits = (ni + 127) << 23;
+  V16 scale;
+  __builtin_memcpy(&scale, &bits, sizeof(scale));
+  V16 out = p * scale;
+  typedef int M16 __attribute__((vector_size(64)));
+  M16 under = x <= -87.0f;
+  V16 zero = {};
+  return under ? zero : out;
+}
+
+inline float Dot(const float* a, const float* b, int n) {
+  V16 acc = {};
+  for (int j = 0; j < n; j += 16) acc += Load(a + j) * Load(b + j);
+  return HSum(acc);
 }
 
 inline void Bf16RowToFloat(const bf16_bits* x, float* y, int n) {
@@ -56,41 +91,58 @@ struct GroupState {
   float Lse(int i) const { return l[i] > 0.0f ? m[i] + std::log(l[i]) : kNegInf; }
 };
 
-// Dot products of one key row with up to four query rows at once: the key is
-// loaded once and each query keeps a 16-wide accumulator (no per-element
-// horizontal sums).
-inline void Dot4(const float* q, int nq, int d, const float* k, float* out) {
-  alignas(64) float acc[4][16] = {};
-  for (int j = 0; j < d; j += 16) {
-    for (int i = 0; i < 4; ++i) {
-      if (i >= nq) break;
-      const float* qi = q + size_t(i) * d + j;
-      for (int l = 0; l < 16; ++l) acc[i][l] += qi[l] * k[j + l];
-    }
+// Logits of one key row against NQ query rows: the key chunk is loaded once,
+// each query keeps a register accumulator.
+template <int D, int NQ>
+inline void DotN(const float* q, const float* k, float* out) {
+  V16 acc[NQ] = {};
+  for (int j = 0; j < D; j += 16) {
+    const V16 kv = Load(k + j);
+    for (int i = 0; i < NQ; ++i) acc[i] += Load(q + i * D + j) * kv;
   }
-  for (int i = 0; i < nq; ++i) {
-    float s = 0.0f;
-    for (int l = 0; l < 16; ++l) s += acc[i][l];
-    out[i] = s;
+  for (int i = 0; i < NQ; ++i) out[i] = HSum(acc[i]);
+}
+
+template <int D>
+inline void Logits(const float* q, int nq, const float* k, float* out) {
+  switch (nq) {
+    case 4: return DotN<D, 4>(q, k, out);
+    case 3: return DotN<D, 3>(q, k, out);
+    case 2: return DotN<D, 2>(q, k, out);
+    default: return DotN<D, 1>(q, k, out);
   }
 }
 
+// acc[0..D) += Σ_t p[t] · tile[t][0..D), accumulating in registers.
+template <int D>
+inline void WeightedRowSum(const float* p, const float* tile, int c, float* acc) {
+  constexpr int kVecs = D / 16;
+  V16 a[kVecs];
+  for (int v = 0; v < kVecs; ++v) a[v] = Load(acc + 16 * v);
+  for (int t = 0; t < c; ++t) {
+    const float w = p[t];
+    const float* row = tile + t * D;
+    for (int v = 0; v < kVecs; ++v) a[v] += w * Load(row + 16 * v);
+  }
+  for (int v = 0; v < kVecs; ++v) Store(acc + 16 * v, a[v]);
+}
+
 // Accumulates `n` tokens whose K and V rows are produced by the callbacks
-// (each fills a float row of d), for all g heads with queries qs[g][d]. Rows
-// are materialized a chunk at a time into L1-sized tiles.
-template <typename KRow, typename VRow>
-void AccumulateTokens(GroupState& st, const float* qs, float scale, int n, KRow&& krow,
-                      VRow&& vrow, float* tile) {
-  const int g = st.g, d = st.d;
+// (each fills a float row of D), for all g heads with queries qs[g][D]. Rows
+// are materialized a chunk at a time into an L1-sized tile.
+template <int D, typename KRow, typename VRow>
+void AccumulateTokensD(GroupState& st, const float* qs, float scale, int n, KRow&& krow,
+                       VRow&& vrow, float* tile) {
+  const int g = st.g;
   float logits[kMaxGroup][kChunk];
   for (int t0 = 0; t0 < n; t0 += kChunk) {
     const int c = std::min(kChunk, n - t0);
-    for (int t = 0; t < c; ++t) krow(t0 + t, tile + size_t(t) * d);
+    for (int t = 0; t < c; ++t) krow(t0 + t, tile + t * D);
     for (int t = 0; t < c; ++t) {
       float dots[4];
       for (int i0 = 0; i0 < g; i0 += 4) {
         const int nq = std::min(4, g - i0);
-        Dot4(qs + size_t(i0) * d, nq, d, tile + size_t(t) * d, dots);
+        Logits<D>(qs + size_t(i0) * D, nq, tile + t * D, dots);
         for (int i = 0; i < nq; ++i) logits[i0 + i][t] = scale * dots[i];
       }
     }
@@ -99,17 +151,32 @@ void AccumulateTokens(GroupState& st, const float* qs, float scale, int n, KRow&
       for (int t = 0; t < c; ++t) cm = std::max(cm, logits[i][t]);
       const float mx = st.Rescale(i, cm);
       float sum = 0.0f;
-      for (int t = 0; t < c; ++t) {
-        logits[i][t] = std::exp(logits[i][t] - mx);
-        sum += logits[i][t];
+      if (c == kChunk) {
+        for (int t = 0; t < kChunk; t += 16) {
+          const V16 e = ExpNonPositive(Load(&logits[i][t]) - mx);
+          Store(&logits[i][t], e);
+          sum += HSum(e);
+        }
+      } else {
+        for (int t = 0; t < c; ++t) {
+          logits[i][t] = std::exp(logits[i][t] - mx);
+          sum += logits[i][t];
+        }
       }
       st.l[i] += sum;
     }
-    for (int t = 0; t < c; ++t) vrow(t0 + t, tile + size_t(t) * d);
-    for (int i = 0; i < g; ++i) {
-      float* a = &st.acc[size_t(i) * d];
-      for (int t = 0; t < c; ++t) Axpy(logits[i][t], tile + size_t(t) * d, a, d);
-    }
+    for (int t = 0; t < c; ++t) vrow(t0 + t, tile + t * D);
+    for (int i = 0; i < g; ++i) WeightedRowSum<D>(logits[i], tile, c, &st.acc[size_t(i) * D]);
+  }
+}
+
+template <typename KRow, typename VRow>
+void AccumulateTokens(GroupState& st, const float* qs, float scale, int n, KRow&& krow,
+                      VRow&& vrow, float* tile) {
+  switch (st.d) {
+    case 64: return AccumulateTokensD<64>(st, qs, scale, n, krow, vrow, tile);
+    case 128: return AccumulateTokensD<128>(st, qs, scale, n, krow, vrow, tile);
+    default: return AccumulateTokensD<256>(st, qs, scale, n, krow, vrow, tile);
   }
 }
 
@@ -192,7 +259,11 @@ void AttendCompressedKvHead(const PageGeometry& geom, int num_q_heads, float sca
     std::vector<float> qr(size_t(g) * d, 0.0f);
     for (int i = 0; i < g; ++i) {
       float* y = &qr[size_t(i) * d];
-      for (int a = 0; a < d; ++a) Axpy(q[size_t(i) * d + a], rk + size_t(a) * d, y, d);
+      for (int a = 0; a < d; ++a) {
+        const float qa = q[size_t(i) * d + a];
+        const float* ra = rk + size_t(a) * d;
+        for (int j = 0; j < d; ++j) y[j] += qa * ra[j];
+      }
     }
     for (int p = 0; p < item.num_pages; ++p) {
       const uint8_t* page = item.pages[p];
