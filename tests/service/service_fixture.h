@@ -1,0 +1,153 @@
+// Shared helpers for the service tests: an in-process server on 127.0.0.1:0
+// with a small model, seeded K/V data, and an fp64 model of what the server
+// stores (to check GetKv and Attend against).
+#ifndef OSCARKV_TESTS_SERVICE_SERVICE_FIXTURE_H_
+#define OSCARKV_TESTS_SERVICE_SERVICE_FIXTURE_H_
+
+#include <cmath>
+#include <memory>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "client/kv_client.h"
+#include "gtest/gtest.h"
+#include "kernels/layout.h"
+#include "kernels/numeric.h"
+#include "kernels/page_format.h"
+#include "kernels/quantize.h"
+#include "kernels/reference.h"
+#include "prometheus/registry.h"
+#include "server/oscarkv_server.h"
+
+namespace oscarkv::testing {
+
+// "tiny": 2 layers, 8 q heads, 2 kv heads, D 64; tiers S0 8, W 16, P 8.
+inline constexpr char kTinyModel[] = "tiny";
+inline ModelLayout TinyLayout() { return ModelLayout{2, 8, 2, 64}; }
+
+inline ServerOptions TinyServerOptions(size_t pool_bytes = size_t{8} << 20) {
+  ServerOptions o;
+  o.listen_address = "127.0.0.1:0";
+  o.backend = "cpu";
+  o.cpu_threads = 2;
+  o.pool_bytes = pool_bytes;
+  o.exact_fraction = 0.5;
+  o.tiers = TierConfig{8, 16, 8};
+  o.models = {"tiny:2:8:2:64"};
+  o.max_message_bytes = 4 << 20;
+  return o;
+}
+
+struct TestServer {
+  std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
+  std::unique_ptr<OscarkvServer> server;
+  std::unique_ptr<KvClient> client;
+
+  explicit TestServer(const ServerOptions& options = TinyServerOptions(),
+                      ClientOptions client_options = {}) {
+    auto s = OscarkvServer::Start(options, registry);
+    EXPECT_TRUE(s.ok()) << s.status();
+    if (!s.ok()) return;
+    server = std::move(*s);
+    client_options.max_message_bytes = options.max_message_bytes;
+    client_options.chunk_bytes = 64 << 10;
+    client = KvClient::Create(server->address(), client_options);
+  }
+};
+
+// Seeded K/V [L][T][Hkv][D] in BF16 with a few large channels.
+struct KvData {
+  ModelLayout layout;
+  int64_t tokens = 0;
+  std::vector<bf16_bits> k, v;
+  size_t row() const { return size_t(layout.num_kv_heads) * layout.head_dim; }
+  const bf16_bits* k_at(int layer, int64_t t) const { return k.data() + (size_t(layer) * tokens + t) * row(); }
+  const bf16_bits* v_at(int layer, int64_t t) const { return v.data() + (size_t(layer) * tokens + t) * row(); }
+};
+
+inline KvData MakeKv(const ModelLayout& layout, int64_t tokens, uint64_t seed) {
+  KvData d;
+  d.layout = layout;
+  d.tokens = tokens;
+  const size_t n = size_t(layout.num_layers) * tokens * d.row();
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  d.k.resize(n);
+  d.v.resize(n);
+  for (size_t i = 0; i < n; ++i) {
+    const int ch = int(i % layout.head_dim);
+    d.k[i] = FloatToBf16(nd(rng) * (ch % 29 == 3 ? 6.0f : 1.0f));
+    d.v[i] = FloatToBf16(nd(rng));
+  }
+  return d;
+}
+
+inline std::vector<float> RandomQuery(const ModelLayout& l, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<float> q(size_t(l.num_q_heads) * l.head_dim);
+  for (float& x : q) x = nd(rng);
+  return q;
+}
+
+// The fp64 cache a COMPRESSED layer represents: sink/recent as stored, history
+// dequantized in the rotated basis and un-rotated in fp64. Returns K and V
+// [T][Hkv][D].
+inline void DequantizedLayer(const FetchedLayer& f, const ModelLayout& l, int group_size,
+                             int page_tokens, std::vector<double>* k, std::vector<double>* v) {
+  const int d = l.head_dim, h = l.num_kv_heads;
+  const size_t row = size_t(h) * d;
+  PageGeometry g{h, d, group_size, page_tokens};
+  k->assign(size_t(f.tokens) * row, 0.0);
+  v->assign(size_t(f.tokens) * row, 0.0);
+  for (int64_t t = 0; t < f.sink_tokens; ++t) {
+    for (size_t i = 0; i < row; ++i) {
+      (*k)[t * row + i] = Bf16ToFloat(f.sink_k[t * row + i]);
+      (*v)[t * row + i] = Bf16ToFloat(f.sink_v[t * row + i]);
+    }
+  }
+  const int64_t base = f.sink_tokens + f.history_tokens;
+  for (int64_t t = 0; t < f.recent_tokens; ++t) {
+    for (size_t i = 0; i < row; ++i) {
+      (*k)[(base + t) * row + i] = Bf16ToFloat(f.recent_k[t * row + i]);
+      (*v)[(base + t) * row + i] = Bf16ToFloat(f.recent_v[t * row + i]);
+    }
+  }
+  std::vector<float> y(d);
+  const int pages = int(f.history_tokens / page_tokens);
+  for (int p = 0; p < pages; ++p) {
+    const uint8_t* page = f.pages.data() + size_t(p) * g.page_bytes();
+    for (int hh = 0; hh < h; ++hh) {
+      for (int kind = 0; kind < 2; ++kind) {
+        const float* r = (kind == 0 ? f.r_k.data() : f.r_v.data()) +
+                         (f.num_matrices > 1 ? size_t(hh) * d * d : 0);
+        const uint8_t* codes = page + g.codes_offset(hh, kind);
+        const auto* params = reinterpret_cast<const QuantParams*>(page + g.params_offset(hh, kind));
+        for (int t = 0; t < page_tokens; ++t) {
+          DequantizeRow(codes + size_t(t) * g.code_row_bytes(), params + size_t(t) * g.groups(),
+                        d, group_size, y.data());
+          const int64_t tok = f.sink_tokens + int64_t(p) * page_tokens + t;
+          double* dst = (kind == 0 ? k->data() : v->data()) + tok * row + size_t(hh) * d;
+          for (int i = 0; i < d; ++i) {
+            double s = 0;
+            for (int j = 0; j < d; ++j) s += double(y[j]) * r[size_t(i) * d + j];
+            dst[i] = s;
+          }
+        }
+      }
+    }
+  }
+}
+
+// Infinity when the sizes differ or are zero, so an empty result never passes.
+inline double MaxAbsDiff(const std::vector<float>& a, const std::vector<double>& b) {
+  if (a.size() != b.size() || a.empty()) return INFINITY;
+  double m = 0;
+  for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
+  return m;
+}
+
+}  // namespace oscarkv::testing
+
+#endif  // OSCARKV_TESTS_SERVICE_SERVICE_FIXTURE_H_

@@ -1,0 +1,217 @@
+// End-to-end over real gRPC (in-process server on 127.0.0.1:0, client library):
+// put -> get, put -> attend, appends across the demotion boundary, admin calls.
+#include <cstring>
+
+#include "client/local_attention.h"
+#include "gmock/gmock.h"
+#include "service_fixture.h"
+
+namespace oscarkv::testing {
+namespace {
+
+using ::testing::ElementsAre;
+using ::testing::Eq;
+using ::testing::Le;
+using ::testing::Lt;
+using ::testing::SizeIs;
+
+constexpr int kGroup = 64;   // G = D for the tiny model
+constexpr int kPage = 8;
+
+TEST(Service, PutThenGetBf16IsBitExactOnSinkAndRecentAndBoundedOnHistory) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const KvData data = MakeKv(TinyLayout(), 100, 1);
+  auto put = ts.client->PutSequence("s1", kTinyModel, data.layout, data.tokens, data.k.data(),
+                                    data.v.data());
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->tokens, 100);
+  EXPECT_EQ(put->bf16_bytes_sent, int64_t(data.k.size() * 4));
+
+  auto got = ts.client->GetKv("s1", v1::KV_FORMAT_BF16);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->info.tokens(), 100);
+  // 100 tokens: sink 8, history (92-16)/8 = 9 pages = 72 tokens, recent 20.
+  EXPECT_EQ(got->info.sink_tokens(), 8);
+  EXPECT_EQ(got->info.history_tokens(), 72);
+  EXPECT_EQ(got->info.recent_tokens(), 20);
+  const size_t row = data.row();
+  for (int l = 0; l < 2; ++l) {
+    const FetchedLayer& f = got->layers[l];
+    ASSERT_EQ(f.k.size(), 100 * row);
+    // Sink [0, 8) and recent [80, 100) bit-exact.
+    EXPECT_EQ(std::memcmp(f.k.data(), data.k_at(l, 0), 8 * row * 2), 0);
+    EXPECT_EQ(std::memcmp(f.v.data(), data.v_at(l, 0), 8 * row * 2), 0);
+    EXPECT_EQ(std::memcmp(f.k.data() + 80 * row, data.k_at(l, 80), 20 * row * 2), 0);
+    EXPECT_EQ(std::memcmp(f.v.data() + 80 * row, data.v_at(l, 80), 20 * row * 2), 0);
+    // History: 2-bit codec error, relative L2 per tensor well below 1 and not zero.
+    double err = 0, norm = 0;
+    for (size_t i = 8 * row; i < 80 * row; ++i) {
+      const double x = Bf16ToFloat(data.k_at(l, 0)[i]);
+      err += std::pow(Bf16ToFloat(f.k[i]) - x, 2);
+      norm += x * x;
+    }
+    EXPECT_GT(err, 0.0);
+    EXPECT_LT(std::sqrt(err / norm), 0.6) << "layer " << l;
+  }
+}
+
+TEST(Service, AttendEqualsLocalAttentionOnFetchedPagesAndFp64Reference) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 150, 2);
+  ASSERT_TRUE(ts.client->PutSequence("s", kTinyModel, layout, data.tokens, data.k.data(),
+                                     data.v.data())
+                  .ok());
+  auto fetched = ts.client->GetKv("s", v1::KV_FORMAT_COMPRESSED);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  EXPECT_EQ(fetched->info.objective(), "hadamard");
+  // Keep an fp64 model of layer 1 before LocalAttention takes the pages.
+  std::vector<double> kref, vref;
+  DequantizedLayer(fetched->layers[1], layout, kGroup, kPage, &kref, &vref);
+  auto local = LocalAttention::Create(std::move(*fetched), 1);
+  ASSERT_TRUE(local.ok()) << local.status();
+
+  const std::vector<float> q = RandomQuery(layout, 7);
+  AttendQuery query{"s", 1, q.data()};
+  auto remote = ts.client->Attend({query}, layout, /*return_lse=*/true);
+  ASSERT_TRUE(remote.ok()) << remote.status();
+  ASSERT_THAT(*remote, SizeIs(1));
+  ASSERT_TRUE((*remote)[0].status.ok()) << (*remote)[0].status;
+  EXPECT_EQ((*remote)[0].tokens, 150);
+
+  std::vector<float> out(q.size()), lse(layout.num_q_heads);
+  ASSERT_TRUE((*local)->Attend(1, q.data(), out.data(), lse.data()).ok());
+  std::vector<double> lse_ref;
+  const std::vector<double> ref = ReferenceAttention(
+      std::vector<double>(q.begin(), q.end()), kref, vref, 150, layout.num_q_heads,
+      layout.num_kv_heads, layout.head_dim, 1.0 / std::sqrt(64.0), &lse_ref);
+  EXPECT_THAT(MaxAbsDiff((*remote)[0].out, std::vector<double>(out.begin(), out.end())), Le(1e-6));
+  EXPECT_THAT(MaxAbsDiff((*remote)[0].out, ref), Lt(1e-4));
+  EXPECT_THAT(MaxAbsDiff((*remote)[0].lse, lse_ref), Lt(1e-4));
+}
+
+TEST(Service, AppendAcrossDemotionBoundaryKeepsTiersAndAttention) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 60, 3);
+  // 30 tokens: below S0 + W + P = 32, so no history yet.
+  std::vector<bf16_bits> k30, v30;
+  for (int l = 0; l < 2; ++l) {
+    k30.insert(k30.end(), data.k_at(l, 0), data.k_at(l, 30));
+    v30.insert(v30.end(), data.v_at(l, 0), data.v_at(l, 30));
+  }
+  ASSERT_TRUE(ts.client->PutSequence("a", kTinyModel, layout, 30, k30.data(), v30.data()).ok());
+  auto st = ts.client->Stat("a");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->history_tokens(), 0);
+
+  // Tokens 30..44 by AppendKv on all layers, one at a time.
+  const size_t row = data.row();
+  std::vector<bf16_bits> k(2 * row), v(2 * row);
+  for (int t = 30; t < 45; ++t) {
+    for (int l = 0; l < 2; ++l) {
+      std::memcpy(k.data() + l * row, data.k_at(l, t), row * 2);
+      std::memcpy(v.data() + l * row, data.v_at(l, t), row * 2);
+    }
+    auto n = ts.client->Append("a", layout, -1, t, 1, k.data(), v.data());
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(*n, t + 1);
+  }
+  // Tokens 45..59 by fused Append+Attend, layer by layer.
+  auto session = ts.client->OpenAttend();
+  ASSERT_TRUE(session.ok());
+  const std::vector<float> q = RandomQuery(layout, 9);
+  for (int t = 45; t < 60; ++t) {
+    for (int l = 0; l < 2; ++l) {
+      AttendQuery a{"a", l, q.data(), data.k_at(l, t), data.v_at(l, t), t};
+      auto r = (*session)->Call({a}, {layout}, false);
+      ASSERT_TRUE(r.ok()) << r.status();
+      ASSERT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+      EXPECT_EQ((*r)[0].tokens, t + 1);
+    }
+  }
+  EXPECT_TRUE((*session)->Close().ok());
+  st = ts.client->Stat("a");
+  ASSERT_TRUE(st.ok());
+  // 60 tokens: sink 8, (52-16)/8 = 4 pages = 32 history, recent 20.
+  EXPECT_EQ(st->tokens(), 60);
+  EXPECT_EQ(st->history_tokens(), 32);
+  EXPECT_EQ(st->recent_tokens(), 20);
+
+  // Same state as putting all 60 at once: identical BF16 read-back.
+  ASSERT_TRUE(ts.client->PutSequence("b", kTinyModel, layout, 60, data.k.data(), data.v.data()).ok());
+  auto ga = ts.client->GetKv("a", v1::KV_FORMAT_BF16);
+  auto gb = ts.client->GetKv("b", v1::KV_FORMAT_BF16);
+  ASSERT_TRUE(ga.ok() && gb.ok());
+  for (int l = 0; l < 2; ++l) {
+    EXPECT_EQ(ga->layers[l].k, gb->layers[l].k) << "layer " << l;
+    EXPECT_EQ(ga->layers[l].v, gb->layers[l].v) << "layer " << l;
+  }
+  // A stale position is refused and changes nothing.
+  AttendQuery stale{"a", 0, q.data(), data.k_at(0, 5), data.v_at(0, 5), 42};
+  auto r = ts.client->Attend({stale}, layout, false);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ((*r)[0].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_EQ(ts.client->Stat("a")->tokens(), 60);
+}
+
+TEST(Service, DropListAndInfoReflectTheStore) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  auto info0 = ts.client->Info();
+  ASSERT_TRUE(info0.ok());
+  EXPECT_EQ(info0->backend(), "cpu");
+  ASSERT_THAT(info0->models(), SizeIs(1));
+  EXPECT_EQ(info0->models(0).name(), "tiny");
+  EXPECT_EQ(info0->models(0).objective(), "hadamard");
+  EXPECT_FALSE(info0->models(0).calibrated());
+  const int64_t free0 = info0->pool().free_bytes();
+
+  const KvData data = MakeKv(layout, 64, 4);
+  for (const char* id : {"x", "y", "z"}) {
+    ASSERT_TRUE(ts.client->PutSequence(id, kTinyModel, layout, 64, data.k.data(), data.v.data()).ok());
+  }
+  auto list = ts.client->List();
+  ASSERT_TRUE(list.ok());
+  std::vector<std::string> ids;
+  for (const auto& s : *list) ids.push_back(s.sequence_id());
+  EXPECT_THAT(ids, ElementsAre("x", "y", "z"));
+  EXPECT_LT(ts.client->Info()->pool().free_bytes(), free0);
+
+  auto freed = ts.client->Drop("y");
+  ASSERT_TRUE(freed.ok());
+  EXPECT_GT(*freed, 0);
+  EXPECT_EQ(ts.client->Stat("y").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ts.client->Drop("y").status().code(), absl::StatusCode::kNotFound);
+  ASSERT_TRUE(ts.client->Drop("x").ok());
+  ASSERT_TRUE(ts.client->Drop("z").ok());
+  auto info1 = ts.client->Info();
+  EXPECT_EQ(info1->pool().free_bytes(), free0);
+  EXPECT_EQ(info1->sequences(), 0);
+}
+
+TEST(Service, AsyncCallsCompleteWithTheSameResults) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 40, 5);
+  auto put = ts.client->PutSequenceAsync("q", kTinyModel, layout, 40, data.k.data(), data.v.data());
+  ASSERT_TRUE(put.get().ok());
+  auto st = ts.client->StatAsync("q").get();
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->tokens(), 40);
+  const KvData more = MakeKv(layout, 1, 6);
+  auto n = ts.client->AppendAsync("q", layout, -1, 40, 1, more.k.data(), more.v.data()).get();
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 41);
+  EXPECT_EQ(ts.client->InfoAsync().get()->sequences(), 1);
+  EXPECT_TRUE(ts.client->DropAsync("q").get().ok());
+  EXPECT_EQ(ts.client->StatAsync("q").get().status().code(), absl::StatusCode::kNotFound);
+}
+
+}  // namespace
+}  // namespace oscarkv::testing
