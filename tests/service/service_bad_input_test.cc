@@ -1,0 +1,217 @@
+// Bad input: each case gets a precise status and message, the server stays up,
+// nothing becomes visible and no pool byte leaks.
+#include <cmath>
+#include <limits>
+
+#include "gmock/gmock.h"
+#include "service_fixture.h"
+
+namespace oscarkv::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+v1::PutKvRequest Header(const std::string& id, const std::string& model = kTinyModel) {
+  v1::PutKvRequest r;
+  r.mutable_header()->set_sequence_id(id);
+  r.mutable_header()->set_model(model);
+  return r;
+}
+
+v1::PutKvRequest Chunk(const KvData& d, int layer, int64_t start, int64_t n,
+                       int64_t k_bytes_delta = 0) {
+  v1::PutKvRequest r;
+  v1::KvChunk* c = r.mutable_chunk();
+  c->set_layer(layer);
+  c->set_start_token(start);
+  c->set_num_tokens(int32_t(n));
+  const int l = layer < 0 ? 0 : layer;
+  const size_t bytes = size_t(layer < 0 ? d.layout.num_layers : 1) * n * d.row() * 2;
+  c->set_k(reinterpret_cast<const char*>(d.k_at(l, start)), bytes + k_bytes_delta);
+  c->set_v(reinterpret_cast<const char*>(d.v_at(l, start)), bytes);
+  return r;
+}
+
+// Sends the messages on one PutKv stream and returns the final status.
+grpc::Status RawPut(KvClient& client, const std::vector<v1::PutKvRequest>& messages) {
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  v1::PutKvResponse resp;
+  auto writer = client.stub().PutKv(&ctx, &resp);
+  for (const auto& m : messages) {
+    if (!writer->Write(m)) break;
+  }
+  writer->WritesDone();
+  return writer->Finish();
+}
+
+class BadInput : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    ASSERT_NE(ts_.client, nullptr);
+    free0_ = ts_.client->Info()->pool().free_bytes();
+  }
+  void TearDown() override {
+    auto info = ts_.client->Info();
+    ASSERT_TRUE(info.ok());
+    EXPECT_EQ(info->pool().free_bytes(), free0_ + committed_bytes_) << "pool bytes leaked";
+  }
+  void ExpectStatus(const grpc::Status& s, grpc::StatusCode code, const std::string& text) {
+    EXPECT_EQ(s.error_code(), code) << s.error_message();
+    EXPECT_THAT(s.error_message(), HasSubstr(text));
+  }
+  void ExpectStatus(const absl::Status& s, absl::StatusCode code, const std::string& text) {
+    EXPECT_EQ(s.code(), code) << s;
+    EXPECT_THAT(std::string(s.message()), HasSubstr(text));
+  }
+
+  TestServer ts_;
+  KvData data_ = MakeKv(TinyLayout(), 40, 11);
+  int64_t free0_ = 0;
+  int64_t committed_bytes_ = 0;  // negative: bytes held by sequences the test keeps
+};
+
+TEST_F(BadInput, UnknownModelIsNotFound) {
+  ExpectStatus(RawPut(*ts_.client, {Header("a", "nope"), Chunk(data_, 0, 0, 4)}),
+               grpc::StatusCode::NOT_FOUND, "unknown model 'nope'");
+}
+
+TEST_F(BadInput, UnknownSequenceIsNotFoundEverywhere) {
+  ExpectStatus(ts_.client->Stat("ghost").status(), absl::StatusCode::kNotFound, "ghost");
+  ExpectStatus(ts_.client->Drop("ghost").status(), absl::StatusCode::kNotFound, "ghost");
+  ExpectStatus(ts_.client->GetKv("ghost", v1::KV_FORMAT_BF16).status(),
+               absl::StatusCode::kNotFound, "ghost");
+  ExpectStatus(ts_.client->Append("ghost", TinyLayout(), 0, 0, 1, data_.k.data(), data_.v.data())
+                   .status(),
+               absl::StatusCode::kNotFound, "ghost");
+  const std::vector<float> q = RandomQuery(TinyLayout(), 1);
+  auto r = ts_.client->Attend({AttendQuery{"ghost", 0, q.data()}}, TinyLayout(), false);
+  ASSERT_TRUE(r.ok());
+  ExpectStatus((*r)[0].status, absl::StatusCode::kNotFound, "ghost");
+}
+
+TEST_F(BadInput, DuplicateSequenceIdIsAlreadyExists) {
+  auto put = ts_.client->PutSequence("dup", kTinyModel, TinyLayout(), 40, data_.k.data(),
+                                     data_.v.data());
+  ASSERT_TRUE(put.ok());
+  committed_bytes_ = -put->stored_bytes;
+  ExpectStatus(RawPut(*ts_.client, {Header("dup"), Chunk(data_, 0, 0, 4)}),
+               grpc::StatusCode::ALREADY_EXISTS, "already exists");
+  // Two streams ingesting the same id at once: the second is refused.
+  auto first = ts_.client->OpenPut("dup2", kTinyModel, TinyLayout(), false, 0);
+  ASSERT_TRUE(first.ok());
+  ASSERT_TRUE((*first)->Write(0, 0, 4, data_.k_at(0, 0), data_.v_at(0, 0)).ok());
+  ExpectStatus(RawPut(*ts_.client, {Header("dup2"), Chunk(data_, 0, 0, 4)}),
+               grpc::StatusCode::ALREADY_EXISTS, "being ingested");
+  (*first)->Cancel();
+}
+
+TEST_F(BadInput, WrongByteCountsNameTheFieldAndSizes) {
+  ExpectStatus(RawPut(*ts_.client, {Header("w"), Chunk(data_, 0, 0, 4, /*k_bytes_delta=*/-2)}),
+               grpc::StatusCode::INVALID_ARGUMENT, "k has 1022 bytes; expected 1024 = 1 layers x 4 tokens");
+  const std::vector<float> q = RandomQuery(TinyLayout(), 1);
+  ASSERT_TRUE(ts_.client->PutSequence("w2", kTinyModel, TinyLayout(), 40, data_.k.data(),
+                                      data_.v.data()).ok());
+  committed_bytes_ = -ts_.client->Stat("w2")->stored_bytes();
+  v1::AttendRequest req;
+  v1::AttendItem* item = req.add_items();
+  item->set_sequence_id("w2");
+  item->set_q(std::string(100, '\0'));
+  grpc::ClientContext ctx;
+  auto stream = ts_.client->stub().Attend(&ctx);
+  ASSERT_TRUE(stream->Write(req));
+  v1::AttendResponse resp;
+  ASSERT_TRUE(stream->Read(&resp));
+  EXPECT_EQ(resp.results(0).code(), int(grpc::StatusCode::INVALID_ARGUMENT));
+  EXPECT_THAT(resp.results(0).error(), HasSubstr("q has 100 bytes; expected 2048"));
+  stream->WritesDone();
+  EXPECT_TRUE(stream->Finish().ok());
+}
+
+TEST_F(BadInput, TokensOutOfOrderOrOverlappingAreRefused) {
+  ExpectStatus(RawPut(*ts_.client, {Header("o"), Chunk(data_, 0, 0, 4), Chunk(data_, 0, 8, 4)}),
+               grpc::StatusCode::INVALID_ARGUMENT, "layer 0 holds 4 tokens; chunk starts at token 8");
+  ExpectStatus(RawPut(*ts_.client, {Header("o"), Chunk(data_, 0, 0, 8), Chunk(data_, 0, 4, 4)}),
+               grpc::StatusCode::INVALID_ARGUMENT, "layer 0 holds 8 tokens; chunk starts at token 4");
+  EXPECT_EQ(ts_.client->Stat("o").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(BadInput, LayerOutOfRangeIsRefused) {
+  ExpectStatus(RawPut(*ts_.client, {Header("l"), Chunk(data_, 0, 0, 4), [&] {
+                 auto c = Chunk(data_, 0, 0, 4);
+                 c.mutable_chunk()->set_layer(2);
+                 return c;
+               }()}),
+               grpc::StatusCode::INVALID_ARGUMENT, "layer 2 out of range [0, 2)");
+}
+
+TEST_F(BadInput, NonFiniteValuesAreRefused) {
+  KvData bad = data_;
+  bad.v[bad.row() * 3 + 5] = FloatToBf16(std::numeric_limits<float>::quiet_NaN());
+  bad.k[bad.row() * 2] = FloatToBf16(std::numeric_limits<float>::infinity());
+  ExpectStatus(RawPut(*ts_.client, {Header("n"), Chunk(bad, 0, 0, 8)}),
+               grpc::StatusCode::INVALID_ARGUMENT, "k of layer 0 contains NaN or Inf");
+}
+
+TEST_F(BadInput, EmptyStreamsAreRefused) {
+  ExpectStatus(RawPut(*ts_.client, {}), grpc::StatusCode::INVALID_ARGUMENT, "without a header");
+  ExpectStatus(RawPut(*ts_.client, {Header("e")}), grpc::StatusCode::INVALID_ARGUMENT,
+               "without any tokens");
+  ExpectStatus(RawPut(*ts_.client, {Chunk(data_, 0, 0, 4)}), grpc::StatusCode::INVALID_ARGUMENT,
+               "first PutKv message must be a header");
+  ExpectStatus(RawPut(*ts_.client, {Header("e"), Header("e")}),
+               grpc::StatusCode::INVALID_ARGUMENT, "second header");
+  // Layers that end with different counts.
+  ExpectStatus(RawPut(*ts_.client, {Header("e"), Chunk(data_, 0, 0, 8), Chunk(data_, 1, 0, 4)}),
+               grpc::StatusCode::INVALID_ARGUMENT, "layer 1 holding 4 tokens but layer 0 holding 8");
+  EXPECT_EQ(ts_.client->Stat("e").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(BadInput, OversizedMessageIsResourceExhausted) {
+  // The server accepts 4 MiB messages; send 6 MiB (K and V) in one chunk.
+  ClientOptions big;
+  big.max_message_bytes = 32 << 20;
+  auto client = KvClient::Create(ts_.server->address(), big);
+  const KvData huge = MakeKv(TinyLayout(), 12000, 3);
+  ExpectStatus(RawPut(*client, {Header("big"), Chunk(huge, 0, 0, 12000)}),
+               grpc::StatusCode::RESOURCE_EXHAUSTED, "");
+  EXPECT_EQ(ts_.client->Stat("big").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST_F(BadInput, TooManyHeadsAndBadLayoutsAreRefused) {
+  v1::LoadCalibrationRequest req;
+  req.set_model("huge");
+  v1::ModelLayout* l = req.mutable_hadamard_layout();
+  l->set_num_layers(2);
+  l->set_num_q_heads(4096);
+  l->set_num_kv_heads(2);
+  l->set_head_dim(64);
+  ExpectStatus(ts_.client->LoadCalibration(req).status(), absl::StatusCode::kInvalidArgument,
+               "q_heads");
+  l->set_num_q_heads(8);
+  l->set_head_dim(96);
+  ExpectStatus(ts_.client->LoadCalibration(req).status(), absl::StatusCode::kInvalidArgument,
+               "head_dim");
+  // A model whose pages do not fit this pool's slots.
+  l->set_head_dim(128);
+  l->set_num_kv_heads(8);
+  l->set_num_q_heads(32);
+  ExpectStatus(ts_.client->LoadCalibration(req).status(),
+               absl::StatusCode::kFailedPrecondition, "pool slots");
+  // A fitting one registers; a second registration without replace is refused.
+  l->set_num_kv_heads(1);
+  l->set_num_q_heads(4);
+  l->set_head_dim(64);
+  auto ok = ts_.client->LoadCalibration(req);
+  ASSERT_TRUE(ok.ok()) << ok.status();
+  EXPECT_EQ(ok->objective(), "hadamard");
+  ExpectStatus(ts_.client->LoadCalibration(req).status(), absl::StatusCode::kAlreadyExists,
+               "already registered");
+  v1::LoadCalibrationRequest from_file;
+  from_file.set_model("f");
+  from_file.set_path("/nonexistent/calib.safetensors");
+  EXPECT_NE(ts_.client->LoadCalibration(from_file).status().code(), absl::StatusCode::kOk);
+}
+
+}  // namespace
+}  // namespace oscarkv::testing
