@@ -1,5 +1,6 @@
 #include "kernels/cpu/cpu_backend.h"
 
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <thread>
@@ -33,6 +34,17 @@ std::vector<float>& RotatedTile() {
   return tile;
 }
 }  // namespace
+
+absl::Status ValidateQuery(const float* q, size_t n) {
+  if (q == nullptr) return absl::InvalidArgumentError("query is missing");
+  for (size_t i = 0; i < n; ++i) {
+    if (!std::isfinite(q[i])) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("query contains a non-finite value at index ", i));
+    }
+  }
+  return absl::OkStatus();
+}
 
 CpuBackend::CpuBackend(int threads) {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -132,6 +144,10 @@ absl::Status CpuBackend::Attend(const AttendBatch& batch) {
     return absl::InvalidArgumentError(absl::StrCat("num_q_heads ", batch.num_q_heads,
                                                    " must be a multiple of kv_heads ", H,
                                                    " with at most 64 per group"));
+  }
+  const size_t q_elems = size_t(batch.num_q_heads) * batch.geom.head_dim;
+  for (int i = 0; i < batch.num_items; ++i) {
+    OSCARKV_RETURN_IF_ERROR(ValidateQuery(batch.items[i].q, q_elems));
   }
   pool_->Run(batch.num_items * H, [&](int task) {
     AttendCompressedKvHead(batch.geom, batch.num_q_heads, batch.scale, batch.items[task / H],

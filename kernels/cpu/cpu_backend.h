@@ -35,6 +35,9 @@ class CpuBackend final : public Backend {
 // Checks a geometry the kernels can run: D in {64,128,256}, G divides D, G >= 4.
 absl::Status ValidateGeometry(const PageGeometry& geom);
 
+// InvalidArgument naming the first NaN/Inf in a host query of n floats.
+absl::Status ValidateQuery(const float* q, size_t n);
+
 }  // namespace oscarkv
 
 #endif  // OSCARKV_KERNELS_CPU_CPU_BACKEND_H_

@@ -172,6 +172,25 @@ TEST(CpuBackend, AttendRejectsBadShapes) {
   EXPECT_THAT(std::string(backend.Attend(batch).message()), ::testing::HasSubstr("multiple"));
 }
 
+TEST(CpuBackend, AttendRejectsNonFiniteQuery) {
+  CacheFixture f(2, 64, 64, TierConfig{8, 16, 4});
+  const size_t row = f.geom.exact_row_elems();
+  const auto k = testing::RandomBf16(50 * row, 1, 64), v = testing::RandomBf16(50 * row, 2, 64);
+  LayerCache layer = f.NewLayer();
+  ASSERT_TRUE(f.Append(layer, k.data(), v.data(), 50).ok());
+  std::vector<ExactBlockRef> exact;
+  std::vector<const uint8_t*> pages;
+  layer.AttendRefs(*f.pool, &exact, &pages);
+  std::vector<float> q(4 * 64, 0.1f), out(4 * 64, -7.0f);
+  q[77] = std::numeric_limits<float>::infinity();
+  AttendItem item{q.data(), out.data(), nullptr, f.codec.rotation, exact.data(),
+                  int(exact.size()), pages.data(), int(pages.size())};
+  const absl::Status s = f.backend.Attend(AttendBatch{f.geom, 4, 0.125f, &item, 1});
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr("index 77"));
+  EXPECT_EQ(out[0], -7.0f);  // nothing written
+}
+
 TEST(CpuBackend, DecodeInvertsEncodeWithinQuantizationError) {
   CacheFixture f(4, 128, 128, TierConfig{0, 0, 16});
   const size_t row = f.geom.exact_row_elems();
