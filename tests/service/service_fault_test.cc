@@ -1,0 +1,189 @@
+// Faults: cancelled and killed ingest streams, a full pool under both
+// policies, and many concurrent clients; pool accounting must come back exact.
+#include <spawn.h>
+#include <sys/wait.h>
+
+#include <atomic>
+#include <thread>
+
+#include "gmock/gmock.h"
+#include "service_fixture.h"
+
+extern char** environ;
+
+namespace oscarkv::testing {
+namespace {
+
+// Waits until the pool's free bytes equal `want` (a stream's cleanup runs
+// when the server notices the cancellation).
+int64_t WaitForFree(KvClient& client, int64_t want) {
+  int64_t got = -1;
+  for (int i = 0; i < 200; ++i) {
+    auto info = client.Info();
+    if (info.ok()) got = info->pool().free_bytes();
+    if (got == want) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  return got;
+}
+
+TEST(Fault, CancelledPutLeavesNoSequenceAndNoPages) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const int64_t free0 = ts.client->Info()->pool().free_bytes();
+  const KvData data = MakeKv(TinyLayout(), 100, 1);
+  auto stream = ts.client->OpenPut("c", kTinyModel, TinyLayout(), false, 0);
+  ASSERT_TRUE(stream.ok());
+  ASSERT_TRUE((*stream)->Write(0, 0, 100, data.k_at(0, 0), data.v_at(0, 0)).ok());
+  ASSERT_TRUE((*stream)->Write(1, 0, 50, data.k_at(1, 0), data.v_at(1, 0)).ok());
+  // Wait until the server holds the partial stream's pages, then cancel.
+  for (int i = 0; i < 100 && ts.client->Info()->pool().free_bytes() == free0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(10));
+  }
+  EXPECT_LT(ts.client->Info()->pool().free_bytes(), free0);
+  (*stream)->Cancel();
+  EXPECT_EQ(WaitForFree(*ts.client, free0), free0);
+  EXPECT_EQ(ts.client->Stat("c").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ts.server->store().Stats().ingesting, 0);
+  // The id is free again.
+  EXPECT_TRUE(ts.client->PutSequence("c", kTinyModel, TinyLayout(), 100, data.k.data(),
+                                     data.v.data()).ok());
+}
+
+TEST(Fault, PutPastItsDeadlineLeavesNothing) {
+  ClientOptions quick;
+  quick.deadline = std::chrono::milliseconds(300);
+  TestServer ts(TinyServerOptions(), quick);
+  ASSERT_NE(ts.client, nullptr);
+  const int64_t free0 = ts.client->Info()->pool().free_bytes();
+  const KvData data = MakeKv(TinyLayout(), 64, 2);
+  auto stream = ts.client->OpenPut("d", kTinyModel, TinyLayout(), false, 0);
+  ASSERT_TRUE(stream.ok());
+  ASSERT_TRUE((*stream)->Write(0, 0, 64, data.k_at(0, 0), data.v_at(0, 0)).ok());
+  ASSERT_TRUE((*stream)->Write(1, 0, 64, data.k_at(1, 0), data.v_at(1, 0)).ok());
+  std::this_thread::sleep_for(std::chrono::milliseconds(600));
+  auto done = (*stream)->Finish();
+  EXPECT_EQ(done.status().code(), absl::StatusCode::kDeadlineExceeded) << done.status();
+  EXPECT_EQ(WaitForFree(*ts.client, free0), free0);
+  EXPECT_EQ(ts.client->Stat("d").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(Fault, KilledClientMidPutLeavesNoSequenceAndNoPages) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const int64_t free0 = ts.client->Info()->pool().free_bytes();
+  const std::string helper = std::string(OSCARKV_PUT_AND_DIE);
+  const std::string target = ts.server->address();
+  char* argv[] = {const_cast<char*>(helper.c_str()), const_cast<char*>(target.c_str()),
+                  const_cast<char*>("killed"), nullptr};
+  pid_t pid = 0;
+  ASSERT_EQ(posix_spawn(&pid, helper.c_str(), nullptr, nullptr, argv, environ), 0);
+  int wstatus = 0;
+  ASSERT_EQ(waitpid(pid, &wstatus, 0), pid);
+  ASSERT_TRUE(WIFSIGNALED(wstatus) && WTERMSIG(wstatus) == SIGKILL) << "helper did not die mid-put";
+  EXPECT_EQ(WaitForFree(*ts.client, free0), free0);
+  EXPECT_EQ(ts.client->Stat("killed").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ts.server->store().Stats().ingesting, 0);
+}
+
+// 28 exact blocks (a 100-token tiny sequence holds 8 and needs 17 at its
+// ingest peak) and ~150 pages: two sequences fit, not three.
+ServerOptions SmallPool(EvictionPolicy policy) {
+  ServerOptions o = TinyServerOptions(224 << 10);
+  o.eviction = policy;
+  return o;
+}
+
+TEST(Fault, FullPoolEvictsLeastRecentlyUsedUnpinnedSequence) {
+  TestServer ts(SmallPool(EvictionPolicy::kLru));
+  ASSERT_NE(ts.client, nullptr);
+  const KvData data = MakeKv(TinyLayout(), 100, 3);
+  auto put = [&](const std::string& id, bool pin) {
+    return ts.client->PutSequence(id, kTinyModel, TinyLayout(), 100, data.k.data(),
+                                  data.v.data(), pin);
+  };
+  ASSERT_TRUE(put("pinned", true).ok());
+  ASSERT_TRUE(put("old", false).ok());
+  auto third = put("new", false);
+  ASSERT_TRUE(third.ok()) << third.status();
+  EXPECT_EQ(ts.client->Stat("old").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_TRUE(ts.client->Stat("pinned").ok());
+  EXPECT_EQ(ts.client->Info()->evictions(), 1);
+
+  // A sequence in use (a handle held, as during a read) is never evicted:
+  // with "new" held and "pinned" pinned, nothing can go.
+  {
+    auto held = ts.server->store().Acquire("new");
+    ASSERT_TRUE(held.ok());
+    auto refused = put("another", false);
+    EXPECT_EQ(refused.status().code(), absl::StatusCode::kResourceExhausted) << refused.status();
+    EXPECT_THAT(std::string(refused.status().message()), ::testing::HasSubstr("pinned or in use"));
+    EXPECT_TRUE(ts.client->Stat("new").ok());
+  }
+  EXPECT_TRUE(put("another", false).ok());
+  EXPECT_EQ(ts.client->Info()->evictions(), 2);
+  EXPECT_EQ(ts.client->Stat("new").status().code(), absl::StatusCode::kNotFound);
+}
+
+TEST(Fault, FullPoolWithRefusePolicyIsResourceExhaustedAndChangesNothing) {
+  TestServer ts(SmallPool(EvictionPolicy::kRefuse));
+  ASSERT_NE(ts.client, nullptr);
+  const KvData data = MakeKv(TinyLayout(), 100, 4);
+  ASSERT_TRUE(ts.client->PutSequence("a", kTinyModel, TinyLayout(), 100, data.k.data(), data.v.data()).ok());
+  ASSERT_TRUE(ts.client->PutSequence("b", kTinyModel, TinyLayout(), 100, data.k.data(), data.v.data()).ok());
+  const int64_t free_before = ts.client->Info()->pool().free_bytes();
+  auto c = ts.client->PutSequence("c", kTinyModel, TinyLayout(), 100, data.k.data(), data.v.data());
+  EXPECT_EQ(c.status().code(), absl::StatusCode::kResourceExhausted) << c.status();
+  EXPECT_THAT(std::string(c.status().message()), ::testing::HasSubstr("eviction policy refuse"));
+  EXPECT_EQ(WaitForFree(*ts.client, free_before), free_before);
+  EXPECT_TRUE(ts.client->Stat("a").ok());
+  EXPECT_TRUE(ts.client->Stat("b").ok());
+  EXPECT_EQ(ts.client->Info()->evictions(), 0);
+}
+
+TEST(Fault, SixteenConcurrentClientsKeepExactAccounting) {
+  TestServer ts(TinyServerOptions(size_t{16} << 20));
+  ASSERT_NE(ts.client, nullptr);
+  const int64_t free0 = ts.client->Info()->pool().free_bytes();
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 120, 5);
+  const std::vector<float> q = RandomQuery(layout, 6);
+  std::atomic<int> errors{0}, rounds{0};
+  std::vector<std::string> messages(16);
+  const auto stop_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(1500);
+  std::vector<std::thread> threads;
+  for (int c = 0; c < 16; ++c) {
+    threads.emplace_back([&, c] {
+      auto client = KvClient::Create(ts.server->address());
+      for (int i = 0; std::chrono::steady_clock::now() < stop_at; ++i) {
+        const std::string id = "c" + std::to_string(c) + "-" + std::to_string(i);
+        absl::Status s = client->PutSequence(id, kTinyModel, layout, 120, data.k.data(),
+                                             data.v.data()).status();
+        if (s.ok()) {
+          auto r = client->Attend({AttendQuery{id, i % 2, q.data()}}, layout, true);
+          s = r.ok() ? (*r)[0].status : r.status();
+        }
+        if (s.ok()) s = client->Append(id, layout, -1, 120, 1, data.k.data(), data.v.data()).status();
+        if (s.ok()) s = client->GetKv(id, v1::KV_FORMAT_COMPRESSED).status();
+        if (s.ok()) s = client->Drop(id).status();
+        if (!s.ok()) {
+          ++errors;
+          messages[c] = s.ToString();
+        }
+        ++rounds;
+      }
+    });
+  }
+  for (auto& t : threads) t.join();
+  EXPECT_EQ(errors.load(), 0) << ::testing::PrintToString(messages);
+  EXPECT_GT(rounds.load(), 16);
+  auto info = ts.client->Info();
+  EXPECT_EQ(info->sequences(), 0);
+  EXPECT_EQ(info->pool().free_bytes(), free0);
+  const StoreStats st = ts.server->store().Stats();
+  EXPECT_EQ(st.committed.elements, 0);
+  EXPECT_EQ(st.committed.slot_bytes, 0);
+}
+
+}  // namespace
+}  // namespace oscarkv::testing
