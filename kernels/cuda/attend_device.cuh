@@ -1,0 +1,149 @@
+// Device side of the split-KV decode attention (included by attend_kernels.cu
+// only). See attend_plan.h for the schedule and attend_kernels.h for limits.
+//
+// History unit, one warp per 32-token chunk of a page, for kv head h:
+//   S = K·q'  on the tensor cores: mma.m16n8k16 with A = 16 tokens x 16 dims
+//       of 2-bit codes turned into exact fp16 values, B = the rotated query
+//       (scale·log2e folded in) split into fp16 hi + lo columns (so the
+//       product keeps fp32 accuracy); the per-token (scale, min) are applied
+//       to the 8 logits per thread afterwards: logit = s·(c·q') + min·Σq'.
+//   O' += P'·V with P' = p·s_V split into bf16 hi + lo columns, transposed in
+//       registers (movmatrix) into the B operand; A = 16 dims x 16 tokens of
+//       V codes (byte-permuted pairs of tokens) as exact bf16 values; the
+//       min_V part is a per-head scalar Σ p·min_V.
+// Every code byte and parameter of the page is read from memory exactly once
+// for the whole GQA group (the group is the MMA's N dimension).
+#ifndef OSCARKV_KERNELS_CUDA_ATTEND_DEVICE_CUH_
+#define OSCARKV_KERNELS_CUDA_ATTEND_DEVICE_CUH_
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include "kernels/cuda/attend_plan.h"
+
+namespace oscarkv {
+namespace cuda_attend {
+
+constexpr int kWarps = 4;
+constexpr int kThreads = kWarps * 32;
+constexpr unsigned kFull = 0xffffffffu;
+
+struct LaunchArgs {
+  const ItemPlan* items;
+  const WorkUnit* work;
+  PageGeometry geom;
+  int g;                 // query heads per kv head
+  int hq;                // query heads
+  float scale_log2;      // scale * log2(e)
+  uint32_t* qfrag;       // [item][h][NT][KS][2][32]
+  float* qmeta;          // [item][Hq][kQueryMetaFloats]
+  float* qexact;         // [item][Hq][D], scaled by scale_log2
+  float* partials;       // [partial][PartialFloats(g, D)]
+};
+
+template <int D, int NG, bool G8>
+struct Cfg {
+  static constexpr int KS = D / 16;      // QK k-steps (16 dims each)
+  static constexpr int NT = G8 ? 2 : 1;  // n-tiles of the query / probability columns
+  static constexpr int MT = D / 16;      // PV m-tiles (16 dims each)
+  static constexpr int KW = D / 64;      // K code words per thread per token
+  static constexpr int VB = D / 32;      // V code bytes per thread per token
+  static constexpr int VW = VB >= 4 ? VB / 4 : 1;
+  static constexpr int BP = VB / 2;      // V byte pairs per thread per token
+  static constexpr int HG = G8 ? 8 : 4;  // query heads a block keeps in shared memory
+  static constexpr int EL = D / 32;      // elements per lane (exact path)
+  static constexpr bool kPrefetch = D <= 128;
+};
+
+__device__ __forceinline__ void MmaF16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                       uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                        uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t TransposeM8N8(uint32_t x) {
+  uint32_t y;
+  asm volatile("movmatrix.sync.aligned.m8n8.trans.b16 %0, %1;\n" : "=r"(y) : "r"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// Field k of bytes 0 and 2 of x as an fp16 pair (c0 * 4^k, c2 * 4^k), exact:
+// 0x6400 | bits is 1024 + value in fp16 (10-bit mantissa).
+template <int K>
+__device__ __forceinline__ uint32_t KeyCodePair(uint32_t x) {
+  const uint32_t v = (x & (0x00030003u << (2 * K))) | 0x64006400u;
+  uint32_t d;
+  asm("sub.f16x2 %0, %1, %2;\n" : "=r"(d) : "r"(v), "r"(0x64006400u));
+  return d;
+}
+
+// Field k of bytes 0 and 2 of x as a bf16 pair, exact: 0x4300 | bits is
+// 128 + value in bf16 (7-bit mantissa), so field 3 is shifted down first.
+// Values are c * 4^k for k < 3 and c for k = 3 (see ValueFieldScale).
+template <int K>
+__device__ __forceinline__ uint32_t ValueCodePair(uint32_t x) {
+  const uint32_t v = K < 3 ? ((x & (0x00030003u << (2 * K))) | 0x43004300u)
+                           : (((x >> 6) & 0x00030003u) | 0x43004300u);
+  uint32_t d;
+  asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(v), "r"(0x43004300u));
+  return d;
+}
+
+__device__ __forceinline__ float ValueFieldScale(int k) {
+  return k == 0 ? 1.0f : k == 1 ? 0.25f : k == 2 ? 0.0625f : 1.0f;
+}
+
+__device__ __forceinline__ uint32_t PackBf16(float lo_elem, float hi_elem) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo_elem, hi_elem);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__device__ __forceinline__ float Bf16Rn(float x) {
+  return __bfloat162float(__float2bfloat16_rn(x));
+}
+
+__device__ __forceinline__ float ParamScale(uint32_t p) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(p & 0xffffu)));
+}
+__device__ __forceinline__ float ParamMin(uint32_t p) {
+  return __half2float(__ushort_as_half(static_cast<unsigned short>(p >> 16)));
+}
+
+__device__ __forceinline__ uint32_t Ld32(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const unsigned int*>(p));
+}
+__device__ __forceinline__ uint2 Ld64(const uint8_t* p) {
+  return __ldg(reinterpret_cast<const uint2*>(p));
+}
+
+// Registers of one 32-token chunk of one page for one kv head.
+template <class C, int NG>
+struct ChunkRegs {
+  uint32_t kc[4][C::KW];     // K codes of tokens r, r+8, 16+r, 24+r: bytes [c*D/16, +D/16)
+  uint32_t vc[2][4][C::VW];  // V codes of tokens 16τ + {2c, 2c+1, 2c+8, 2c+9}: bytes [r*VB, +VB)
+  uint32_t kp[4][NG];        // K (scale, min) of tokens r, r+8, 16+r, 24+r
+  uint32_t vp[4][NG];        // V (scale, min) of the same tokens
+};
+
+}  // namespace cuda_attend
+}  // namespace oscarkv
+
+#endif  // OSCARKV_KERNELS_CUDA_ATTEND_DEVICE_CUH_

@@ -1,0 +1,114 @@
+// The exact (BF16 sink / recent) warp of the split-KV kernel: fp32 math on the
+// CUDA cores, the unrotated query. Included by attend_kernels.cu only.
+#ifndef OSCARKV_KERNELS_CUDA_ATTEND_EXACT_CUH_
+#define OSCARKV_KERNELS_CUDA_ATTEND_EXACT_CUH_
+
+#include "kernels/cuda/attend_device.cuh"
+
+namespace oscarkv {
+namespace cuda_attend {
+
+// Lane owns dims [lane*EL, (lane+1)*EL) of every row.
+template <int D, int HG>
+struct ExactWarp {
+  static constexpr int EL = D / 32;
+  static constexpr int kTokensPerStep = 4;
+  float q[HG][EL];
+  float acc[HG][EL];
+  float m[HG], l[HG];
+
+  __device__ static void LoadRow(const bf16_bits* row, float (&x)[EL]) {
+    if constexpr (EL == 2) {
+      const uint32_t v = __ldg(reinterpret_cast<const unsigned int*>(row));
+      x[0] = Bf16ToFloat(static_cast<bf16_bits>(v & 0xffffu));
+      x[1] = Bf16ToFloat(static_cast<bf16_bits>(v >> 16));
+    } else {
+#pragma unroll
+      for (int w = 0; w < EL / 4; ++w) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(row) + w);
+        x[4 * w + 0] = Bf16ToFloat(static_cast<bf16_bits>(v.x & 0xffffu));
+        x[4 * w + 1] = Bf16ToFloat(static_cast<bf16_bits>(v.x >> 16));
+        x[4 * w + 2] = Bf16ToFloat(static_cast<bf16_bits>(v.y & 0xffffu));
+        x[4 * w + 3] = Bf16ToFloat(static_cast<bf16_bits>(v.y >> 16));
+      }
+    }
+  }
+
+  __device__ void Run(const LaunchArgs& a, int item, int h, const ExactBlockRef& blk, int t0,
+                      int t1, int lane) {
+    const int g = a.g;
+    const int D0 = lane * EL;
+#pragma unroll
+    for (int hh = 0; hh < HG; ++hh) {
+      m[hh] = -INFINITY;
+      l[hh] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < EL; ++e) {
+        acc[hh][e] = 0.0f;
+        q[hh][e] = hh < g ? a.qexact[(size_t(item) * a.hq + h * g + hh) * D + D0 + e] : 0.0f;
+      }
+    }
+    const size_t row_elems = a.geom.exact_row_elems();
+    const bf16_bits* kb = blk.block + size_t(h) * D + D0;
+    const bf16_bits* vb = kb + size_t(a.geom.page_tokens) * row_elems;
+    for (int t = t0; t < t1; t += kTokensPerStep) {
+      float k[kTokensPerStep][EL], v[kTokensPerStep][EL];
+#pragma unroll
+      for (int u = 0; u < kTokensPerStep; ++u) {
+        if (t + u < t1) {
+          LoadRow(kb + size_t(t + u) * row_elems, k[u]);
+          LoadRow(vb + size_t(t + u) * row_elems, v[u]);
+        } else {
+#pragma unroll
+          for (int e = 0; e < EL; ++e) k[u][e] = v[u][e] = 0.0f;
+        }
+      }
+#pragma unroll
+      for (int hh = 0; hh < HG; ++hh) {
+        if (hh >= g) break;
+        float lg[kTokensPerStep];
+#pragma unroll
+        for (int u = 0; u < kTokensPerStep; ++u) {
+          float s = 0.0f;
+#pragma unroll
+          for (int e = 0; e < EL; ++e) s = fmaf(q[hh][e], k[u][e], s);
+#pragma unroll
+          for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
+          lg[u] = t + u < t1 ? s : -INFINITY;
+        }
+        float cm = fmaxf(fmaxf(lg[0], lg[1]), fmaxf(lg[2], lg[3]));
+        const float mn = fmaxf(m[hh], cm);
+        const float f = exp2f(m[hh] - mn);
+        m[hh] = mn;
+        l[hh] *= f;
+#pragma unroll
+        for (int e = 0; e < EL; ++e) acc[hh][e] *= f;
+#pragma unroll
+        for (int u = 0; u < kTokensPerStep; ++u) {
+          const float p = exp2f(lg[u] - mn);
+          l[hh] += p;
+#pragma unroll
+          for (int e = 0; e < EL; ++e) acc[hh][e] = fmaf(p, v[u][e], acc[hh][e]);
+        }
+      }
+    }
+  }
+
+  __device__ void Finish(int g, int lane, float (*sm_o)[D], float* sm_m, float* sm_l) const {
+#pragma unroll
+    for (int hh = 0; hh < HG; ++hh) {
+      if (hh >= g) break;
+#pragma unroll
+      for (int e = 0; e < EL; ++e) sm_o[hh][lane * EL + e] = acc[hh][e];
+      if (lane == 0) {
+        sm_m[hh] = m[hh];
+        sm_l[hh] = l[hh];
+      }
+    }
+  }
+};
+
+}  // namespace cuda_attend
+}  // namespace oscarkv
+
+#endif  // OSCARKV_KERNELS_CUDA_ATTEND_EXACT_CUH_

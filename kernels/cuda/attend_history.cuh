@@ -1,0 +1,293 @@
+// The history (compressed) warp of the split-KV kernel. Included by
+// attend_kernels.cu only; see attend_device.cuh for the math.
+#ifndef OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_CUH_
+#define OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_CUH_
+
+#include "kernels/cuda/attend_device.cuh"
+
+namespace oscarkv {
+namespace cuda_attend {
+
+// Online-softmax state and accumulators of one warp over its history chunks.
+// Thread (r = lane/4, c = lane%4) owns query heads hh0, hh0+1 of the group.
+template <int D, int NG, bool G8>
+struct HistoryWarp {
+  using C = Cfg<D, NG, G8>;
+  using Regs = ChunkRegs<C, NG>;
+
+  int r, c, hh0;
+  uint32_t qb[C::NT][C::KS][2];
+  float mult[2], qsum[2][NG];
+  float m[2], l[2];
+  float vlo[NG][2];
+  float o[C::NT][C::MT][4];
+  // Byte offsets of the kv head's streams inside a page.
+  size_t koff, kpoff, voff, vpoff;
+
+  __device__ void Init(const LaunchArgs& a, int item, int h, int lane) {
+    r = lane >> 2;
+    c = lane & 3;
+    hh0 = G8 ? 2 * c : 2 * (c & 1);
+    const uint32_t* qf =
+        a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (C::NT * C::KS * 2 * 32);
+#pragma unroll
+    for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+      for (int ks = 0; ks < C::KS; ++ks)
+#pragma unroll
+        for (int rg = 0; rg < 2; ++rg) qb[nt][ks][rg] = qf[((nt * C::KS + ks) * 2 + rg) * 32 + lane];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int hh = hh0 + j;
+      const float* meta = a.qmeta + (size_t(item) * a.hq + h * a.g + hh) * kQueryMetaFloats;
+      const bool valid = hh < a.g;
+      mult[j] = valid ? meta[0] : 0.0f;
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) qsum[j][gi] = valid ? meta[1 + gi] : 0.0f;
+      m[j] = -INFINITY;
+      l[j] = 0.0f;
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) vlo[gi][j] = 0.0f;
+    }
+#pragma unroll
+    for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
+    koff = a.geom.codes_offset(h, 0);
+    kpoff = a.geom.params_offset(h, 0);
+    voff = a.geom.codes_offset(h, 1);
+    vpoff = a.geom.params_offset(h, 1);
+  }
+
+  __device__ __forceinline__ void Load(Regs& x, const uint8_t* page, int chunk) const {
+    const int t0 = 32 * chunk;
+    const int rows[4] = {t0 + r, t0 + r + 8, t0 + 16 + r, t0 + 24 + r};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* kp = page + koff + size_t(rows[i]) * (D / 4) + c * (D / 16);
+      if constexpr (C::KW == 1) {
+        x.kc[i][0] = Ld32(kp);
+      } else {
+#pragma unroll
+        for (int w = 0; w < C::KW; w += 2) {
+          const uint2 v = Ld64(kp + 4 * w);
+          x.kc[i][w] = v.x;
+          x.kc[i][w + 1] = v.y;
+        }
+      }
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) {
+        x.kp[i][gi] = Ld32(page + kpoff + (size_t(rows[i]) * NG + gi) * 4);
+        x.vp[i][gi] = Ld32(page + vpoff + (size_t(rows[i]) * NG + gi) * 4);
+      }
+    }
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      const int vt[4] = {t0 + 16 * tau + 2 * c, t0 + 16 * tau + 2 * c + 1,
+                         t0 + 16 * tau + 2 * c + 8, t0 + 16 * tau + 2 * c + 9};
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t* vp = page + voff + size_t(vt[i]) * (D / 4) + r * C::VB;
+        if constexpr (C::VB == 2) {
+          x.vc[tau][i][0] = __ldg(reinterpret_cast<const unsigned short*>(vp));
+        } else if constexpr (C::VB == 4) {
+          x.vc[tau][i][0] = Ld32(vp);
+        } else {
+          const uint2 v = Ld64(vp);
+          x.vc[tau][i][0] = v.x;
+          x.vc[tau][i][1] = v.y;
+        }
+      }
+    }
+  }
+
+  __device__ __forceinline__ void Process(const Regs& x) {
+    // Logits (base 2) of tokens {r, r+8} of each 16-token tile, heads hh0 + (j & 1).
+    float lg[2][4];
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      float s[C::NT][NG][4];
+#pragma unroll
+      for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+        for (int gi = 0; gi < NG; ++gi)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[nt][gi][e] = 0.0f;
+#pragma unroll
+      for (int w = 0; w < C::KW; ++w) {
+        const uint32_t x0 = x.kc[2 * tau][w], x1 = x.kc[2 * tau + 1][w];
+        const uint32_t x0s = x0 >> 8, x1s = x1 >> 8;
+#define OSCARKV_QK_STEP(K)                                                                  \
+  {                                                                                         \
+    constexpr int gi = (K) * NG / 4;                                                        \
+    const uint32_t a0 = KeyCodePair<K>(x0), a1 = KeyCodePair<K>(x1);                        \
+    const uint32_t a2 = KeyCodePair<K>(x0s), a3 = KeyCodePair<K>(x1s);                      \
+    _Pragma("unroll") for (int nt = 0; nt < C::NT; ++nt)                                    \
+        MmaF16(s[nt][gi], a0, a1, a2, a3, qb[nt][w * 4 + (K)][0], qb[nt][w * 4 + (K)][1]); \
+  }
+        OSCARKV_QK_STEP(0)
+        OSCARKV_QK_STEP(1)
+        OSCARKV_QK_STEP(2)
+        OSCARKV_QK_STEP(3)
+#undef OSCARKV_QK_STEP
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = e & 1;
+        const int row = 2 * tau + (e >> 1);
+        float v = 0.0f;
+#pragma unroll
+        for (int gi = 0; gi < NG; ++gi) {
+          float dot;
+          if constexpr (G8) {
+            dot = s[0][gi][e] + s[1][gi][e];
+          } else {
+            dot = s[0][gi][e] + __shfl_xor_sync(kFull, s[0][gi][e], 2);
+          }
+          const uint32_t kp = x.kp[row][gi];
+          v += mult[j] * ParamScale(kp) * dot + ParamMin(kp) * qsum[j][gi];
+        }
+        lg[tau][e] = v;
+      }
+    }
+
+    // Online softmax over the chunk (max over the 32 tokens of each head).
+    float cm[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      cm[j] = fmaxf(fmaxf(lg[0][j], lg[0][j + 2]), fmaxf(lg[1][j], lg[1][j + 2]));
+#pragma unroll
+      for (int off = 4; off <= 16; off <<= 1) cm[j] = fmaxf(cm[j], __shfl_xor_sync(kFull, cm[j], off));
+    }
+    float f[2];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const float mn = fmaxf(m[j], cm[j]);
+      f[j] = exp2f(m[j] - mn);
+      m[j] = mn;
+      l[j] *= f[j];
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) vlo[gi][j] *= f[j];
+    }
+#pragma unroll
+    for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt) {
+        o[nt][mt][0] *= f[0];
+        o[nt][mt][1] *= f[1];
+        o[nt][mt][2] *= f[0];
+        o[nt][mt][3] *= f[1];
+      }
+
+    // Probabilities, P' = p * s_V split into hi / lo, transposed into B fragments.
+    uint32_t pb[C::NT][NG][2][2];
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      float p[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        p[e] = exp2f(lg[tau][e] - m[e & 1]);
+        l[e & 1] += p[e];
+      }
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) {
+        float pp[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const uint32_t vp = x.vp[2 * tau + (e >> 1)][gi];
+          pp[e] = p[e] * ParamScale(vp);
+          vlo[gi][e & 1] += p[e] * ParamMin(vp);
+        }
+#pragma unroll
+        for (int nt = 0; nt < C::NT; ++nt) {
+          const bool lo_part = G8 ? nt == 1 : c >= 2;
+          float q[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float hi = Bf16Rn(pp[e]);
+            q[e] = lo_part ? pp[e] - hi : hi;
+          }
+          pb[nt][gi][tau][0] = TransposeM8N8(PackBf16(q[0], q[1]));
+          pb[nt][gi][tau][1] = TransposeM8N8(PackBf16(q[2], q[3]));
+        }
+      }
+    }
+
+    // O' += P' V over the two 16-token tiles.
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+#pragma unroll
+      for (int bp = 0; bp < C::BP; ++bp) {
+        const uint32_t sel = (bp & 1) ? 0x7632u : 0x5410u;
+        const int wi = C::VB >= 4 ? bp / 2 : 0;
+        const uint32_t X = Prmt(x.vc[tau][0][wi], x.vc[tau][1][wi], sel);
+        const uint32_t Y = Prmt(x.vc[tau][2][wi], x.vc[tau][3][wi], sel);
+        const uint32_t Xs = X >> 8, Ys = Y >> 8;
+#define OSCARKV_PV_STEP(K)                                                            \
+  {                                                                                   \
+    constexpr int gi = (K) * NG / 4;                                                  \
+    const uint32_t a0 = ValueCodePair<K>(X), a1 = ValueCodePair<K>(Xs);               \
+    const uint32_t a2 = ValueCodePair<K>(Y), a3 = ValueCodePair<K>(Ys);               \
+    _Pragma("unroll") for (int nt = 0; nt < C::NT; ++nt)                              \
+        MmaBf16(o[nt][bp * 4 + (K)], a0, a1, a2, a3, pb[nt][gi][tau][0], pb[nt][gi][tau][1]); \
+  }
+        OSCARKV_PV_STEP(0)
+        OSCARKV_PV_STEP(1)
+        OSCARKV_PV_STEP(2)
+        OSCARKV_PV_STEP(3)
+#undef OSCARKV_PV_STEP
+      }
+    }
+  }
+
+  // Reduces across the warp and writes this warp's (m, l, acc) of each head
+  // into shared memory (acc in the rotated basis, un-normalized).
+  __device__ void Finish(int g, float (*sm_o)[D], float* sm_m, float* sm_l) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+#pragma unroll
+      for (int off = 4; off <= 16; off <<= 1) {
+        l[j] += __shfl_xor_sync(kFull, l[j], off);
+#pragma unroll
+        for (int gi = 0; gi < NG; ++gi) vlo[gi][j] += __shfl_xor_sync(kFull, vlo[gi][j], off);
+      }
+    }
+    const bool writer = G8 || c < 2;
+#pragma unroll
+    for (int mt = 0; mt < C::MT; ++mt) {
+      const int bp = mt / 4, k = mt % 4;
+      constexpr int kQuarter = D / 4;
+      const int gi = k * NG / 4;
+      const float ks = ValueFieldScale(k);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float v;
+        if constexpr (G8) {
+          v = o[0][mt][e] + o[1][mt][e];
+        } else {
+          v = o[0][mt][e] + __shfl_xor_sync(kFull, o[0][mt][e], 2);
+        }
+        const int j = e & 1;
+        const int d = r * C::VB + 2 * bp + (e >> 1) + k * kQuarter;
+        const int hh = hh0 + j;
+        if (writer && hh < g) sm_o[hh][d] = ks * v + vlo[gi][j];
+      }
+    }
+    if (writer && r == 0) {
+#pragma unroll
+      for (int j = 0; j < 2; ++j) {
+        if (hh0 + j < g) {
+          sm_m[hh0 + j] = m[j];
+          sm_l[hh0 + j] = l[j];
+        }
+      }
+    }
+  }
+};
+
+}  // namespace cuda_attend
+}  // namespace oscarkv
+
+#endif  // OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_CUH_

@@ -1,0 +1,348 @@
+// The three kernels of one decode-attention call: query prep, split-KV
+// attention (exact and history units), merge. Host planning lives in
+// attend_launcher.cu.
+#include "kernels/cuda/attend_launch.h"
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/attend_exact.cuh"
+#include "kernels/cuda/attend_history.cuh"
+#include "kernels/cuda/cuda_status.h"
+
+namespace oscarkv {
+namespace cuda_attend {
+namespace {
+
+constexpr int kPrepThreads = 256;
+constexpr float kLn2 = 0.69314718055994531f;
+
+// Per (item, kv head): rotated, scaled query q' = q·R_K·scale·log2e of each
+// head of the group, laid out as the B fragments of the QK MMA (fp16 hi / lo
+// columns, times 2^-E so the largest |q'| is in [256, 512), times 4^-k for
+// code field k), its per-group sums and 2^E; and the unrotated scaled query
+// for the exact blocks.
+template <int D, bool G8>
+__global__ void __launch_bounds__(kPrepThreads) PrepKernel(LaunchArgs a) {
+  constexpr int NT = G8 ? 2 : 1, KS = D / 16;
+  __shared__ float qs[8][D];
+  __shared__ float inv_s[8];
+  const int item_idx = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  const ItemPlan& item = a.items[item_idx];
+  const int g = a.g;
+  const bool has_history = item.num_pages > 0;
+  const float* rk = has_history ? item.rotation.r_k + item.rotation.stride * h : nullptr;
+  for (int idx = tid; idx < g * D; idx += kPrepThreads) {
+    const int hh = idx / D, d = idx % D;
+    const int qh = h * g + hh;
+    const float* q = item.q + size_t(qh) * D;
+    float s = 0.0f;
+    if (has_history) {
+      for (int i = 0; i < D; ++i) s = fmaf(q[i], rk[size_t(i) * D + d], s);
+    }
+    qs[hh][d] = s * a.scale_log2;
+    a.qexact[(size_t(item_idx) * a.hq + qh) * D + d] = q[d] * a.scale_log2;
+  }
+  __syncthreads();
+  const int warp = tid >> 5, lane = tid & 31;
+  if (warp < g) {
+    const int hh = warp;
+    float mx = 0.0f;
+    for (int d = lane; d < D; d += 32) mx = fmaxf(mx, fabsf(qs[hh][d]));
+    for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
+    int e = 0;
+    if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
+    const float inv = mx > 0.0f && isfinite(mx) ? ldexpf(1.0f, 9 - e) : 1.0f;
+    const float mult = mx > 0.0f && isfinite(mx) ? ldexpf(1.0f, e - 9) : 1.0f;
+    const int G = a.geom.group_size, ng = D / G;
+    float* meta = a.qmeta + (size_t(item_idx) * a.hq + h * g + hh) * kQueryMetaFloats;
+    for (int gi = 0; gi < 4; ++gi) {
+      float sum = 0.0f;
+      if (gi < ng) {
+        for (int d = gi * G + lane; d < (gi + 1) * G; d += 32) sum += qs[hh][d];
+        for (int off = 16; off >= 1; off >>= 1) sum += __shfl_xor_sync(kFull, sum, off);
+      }
+      if (lane == 0) meta[1 + gi] = sum;
+    }
+    if (lane == 0) {
+      meta[0] = mult;
+      meta[5] = meta[6] = meta[7] = 0.0f;
+      inv_s[hh] = inv;
+    }
+  }
+  __syncthreads();
+  uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * (NT * KS * 2 * 32);
+  for (int idx = tid; idx < NT * KS * 2 * 32; idx += kPrepThreads) {
+    const int ln = idx & 31, rg = (idx >> 5) & 1, ks = (idx >> 6) % KS, nt = (idx >> 6) / KS;
+    const int c = ln & 3, n = ln >> 2, w = ks >> 2, k = ks & 3;
+    const int hh = G8 ? n : (n & 3);
+    const bool lo_part = G8 ? nt == 1 : n >= 4;
+    const int b0 = c * (D / 16) + 4 * w + rg;
+    const int d0 = b0 + k * (D / 4), d1 = d0 + 2;
+    uint32_t packed = 0;
+    if (hh < g) {
+      const float sc = inv_s[hh] * (k == 0 ? 1.0f : k == 1 ? 0.25f : k == 2 ? 0.0625f : 0.015625f);
+      const float v[2] = {qs[hh][d0] * sc, qs[hh][d1] * sc};
+      unsigned short hv[2];
+      for (int i = 0; i < 2; ++i) {
+        const __half hi = __float2half_rn(v[i]);
+        hv[i] = __half_as_ushort(lo_part ? __float2half_rn(v[i] - __half2float(hi)) : hi);
+      }
+      packed = uint32_t(hv[0]) | (uint32_t(hv[1]) << 16);
+    }
+    frag[idx] = packed;
+  }
+}
+
+// Combines the 4 warps' (m, l, acc) of each head into the unit's partial.
+template <int D, int HG>
+__device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG][D],
+                             float (*sm_m)[HG], float (*sm_l)[HG]) {
+  __syncthreads();
+  const int g = a.g;
+  float* out = a.partials + size_t(partial) * PartialFloats(g, D);
+  for (int idx = threadIdx.x; idx < g * D; idx += kThreads) {
+    const int hh = idx / D, d = idx % D;
+    float M = -INFINITY;
+    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w][hh]);
+    float L = 0.0f, A = 0.0f;
+    if (M != -INFINITY) {
+      for (int w = 0; w < kWarps; ++w) {
+        if (sm_m[w][hh] == -INFINITY) continue;
+        const float wt = exp2f(sm_m[w][hh] - M);
+        L += wt * sm_l[w][hh];
+        A += wt * sm_o[w][hh][d];
+      }
+    }
+    out[hh * D + d] = A;
+    if (d == 0) {
+      out[g * D + hh] = M;
+      out[g * D + g + hh] = L;
+    }
+  }
+}
+
+template <int D, int NG, bool G8>
+__global__ void __launch_bounds__(kThreads, 3) SplitKernel(LaunchArgs a) {
+  using C = Cfg<D, NG, G8>;
+  constexpr int HG = C::HG;
+  __shared__ float sm_o[kWarps][HG][D];
+  __shared__ float sm_m[kWarps][HG];
+  __shared__ float sm_l[kWarps][HG];
+  const WorkUnit wu = a.work[blockIdx.x];
+  const ItemPlan& item = a.items[wu.item];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  if (lane < HG) {
+    sm_m[warp][lane] = -INFINITY;
+    sm_l[warp][lane] = 0.0f;
+  }
+  __syncwarp();
+  if (wu.exact) {
+    const ExactBlockRef blk = item.exact[wu.begin];
+    const int per = (blk.tokens + kWarps - 1) / kWarps;
+    const int t0 = warp * per, t1 = min(blk.tokens, t0 + per);
+    if (t0 < t1) {
+      ExactWarp<D, HG> ex;
+      ex.Run(a, wu.item, wu.kv_head, blk, t0, t1, lane);
+      ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
+    }
+  } else {
+    const int cpp = a.geom.page_tokens / 32;
+    const int n = (wu.end - wu.begin) * cpp;
+    if (warp < n) {
+      HistoryWarp<D, NG, G8> hw;
+      hw.Init(a, wu.item, wu.kv_head, lane);
+      // Page pointers for iterations [base, base + 32), one per lane.
+      int base = 0;
+      auto chunk_of = [&](int it) { return warp + kWarps * it; };
+      auto fetch_ptr = [&](int it0) -> const uint8_t* {
+        const int ci = chunk_of(it0 + lane);
+        return ci < n ? item.pages[wu.begin + ci / cpp] : nullptr;
+      };
+      const uint8_t* my_ptr = fetch_ptr(0);
+      auto page_of = [&](int it) -> const uint8_t* {
+        if (it >= base + 32) {
+          base += 32;
+          my_ptr = fetch_ptr(base);
+        }
+        return reinterpret_cast<const uint8_t*>(
+            __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
+      };
+      const int iters = (n - warp + kWarps - 1) / kWarps;
+      typename HistoryWarp<D, NG, G8>::Regs ra, rb;
+      hw.Load(ra, page_of(0), chunk_of(0) % cpp);
+      int it = 0;
+      if constexpr (C::kPrefetch) {
+        while (true) {
+          if (it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
+          hw.Process(ra);
+          if (++it >= iters) break;
+          if (it + 1 < iters) hw.Load(ra, page_of(it + 1), chunk_of(it + 1) % cpp);
+          hw.Process(rb);
+          if (++it >= iters) break;
+        }
+      } else {
+        while (true) {
+          hw.Process(ra);
+          if (++it >= iters) break;
+          hw.Load(ra, page_of(it), chunk_of(it) % cpp);
+        }
+      }
+      hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
+    }
+  }
+  WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
+}
+
+// Combines partials [first, first + count) of query head hh into the shared
+// vector o (normalized) and returns the base-2 LSE (or -inf when empty).
+template <int D>
+__device__ float CombinePartials(const LaunchArgs& a, int first, int count, int hh, float* o,
+                                 float (*sm_a)[D], float* sm_m, float* sm_l) {
+  constexpr int EL = D / 32;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = a.g;
+  float m = -INFINITY, l = 0.0f, acc[EL];
+#pragma unroll
+  for (int e = 0; e < EL; ++e) acc[e] = 0.0f;
+  for (int s = warp; s < count; s += kWarps) {
+    const float* p = a.partials + size_t(first + s) * PartialFloats(g, D);
+    const float pm = p[g * D + hh];
+    if (pm == -INFINITY) continue;
+    const float pl = p[g * D + g + hh];
+    const float mn = fmaxf(m, pm);
+    const float f1 = exp2f(m - mn), f2 = exp2f(pm - mn);
+    l = l * f1 + pl * f2;
+#pragma unroll
+    for (int e = 0; e < EL; ++e) acc[e] = acc[e] * f1 + p[hh * D + lane + 32 * e] * f2;
+    m = mn;
+  }
+#pragma unroll
+  for (int e = 0; e < EL; ++e) sm_a[warp][lane + 32 * e] = acc[e];
+  if (lane == 0) {
+    sm_m[warp] = m;
+    sm_l[warp] = l;
+  }
+  __syncthreads();
+  float M = -INFINITY;
+  for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w]);
+  float L = 0.0f;
+  float wt[kWarps];
+  for (int w = 0; w < kWarps; ++w) {
+    wt[w] = (M == -INFINITY || sm_m[w] == -INFINITY) ? 0.0f : exp2f(sm_m[w] - M);
+    L += wt[w] * sm_l[w];
+  }
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    float A = 0.0f;
+    for (int w = 0; w < kWarps; ++w) A += wt[w] * sm_a[w][d];
+    o[d] = L > 0.0f ? A / L : 0.0f;
+  }
+  __syncthreads();
+  return L > 0.0f ? M + log2f(L) : -INFINITY;
+}
+
+// One block per (item, query head): combine history partials, un-rotate
+// (o'·R_Vᵀ), combine exact partials, merge the two with the online-softmax
+// rule exactly like MergeAttention, write out and lse (natural log).
+template <int D>
+__global__ void __launch_bounds__(kThreads) MergeKernel(LaunchArgs a) {
+  __shared__ float sm_a[kWarps][D];
+  __shared__ float sm_m[kWarps], sm_l[kWarps];
+  __shared__ float o_rot[D], o_hist[D], o_exact[D];
+  const int item_idx = blockIdx.x, qh = blockIdx.y;
+  const ItemPlan& item = a.items[item_idx];
+  const int g = a.g, h = qh / g, hh = qh % g;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+
+  const float lse_h2 = CombinePartials<D>(a, item.hist_begin + h * item.hist_splits,
+                                          item.hist_splits, hh, o_rot, sm_a, sm_m, sm_l);
+  if (lse_h2 != -INFINITY) {
+    const float* rv = item.rotation.r_v + item.rotation.stride * h;
+    for (int j = warp; j < D; j += kWarps) {
+      float s = 0.0f;
+#pragma unroll
+      for (int e = 0; e < D / 32; ++e) s = fmaf(o_rot[lane + 32 * e], rv[size_t(j) * D + lane + 32 * e], s);
+      for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
+      if (lane == 0) o_hist[j] = s;
+    }
+  } else {
+    for (int d = threadIdx.x; d < D; d += kThreads) o_hist[d] = 0.0f;
+  }
+  const float lse_e2 = CombinePartials<D>(a, item.exact_begin + h * item.num_exact,
+                                          item.num_exact, hh, o_exact, sm_a, sm_m, sm_l);
+  const float lse_a = lse_e2 == -INFINITY ? -INFINITY : lse_e2 * kLn2;
+  const float lse_b = lse_h2 == -INFINITY ? -INFINITY : lse_h2 * kLn2;
+  const float mx = fmaxf(lse_a, lse_b);
+  float* out = item.out + size_t(qh) * D;
+  if (mx == -INFINITY) {
+    for (int d = threadIdx.x; d < D; d += kThreads) out[d] = 0.0f;
+    if (threadIdx.x == 0 && item.lse != nullptr) item.lse[qh] = -INFINITY;
+    return;
+  }
+  const float wa = lse_a == -INFINITY ? 0.0f : expf(lse_a - mx);
+  const float wb = lse_b == -INFINITY ? 0.0f : expf(lse_b - mx);
+  const float inv = 1.0f / (wa + wb);
+  for (int d = threadIdx.x; d < D; d += kThreads) {
+    const float x = wa > 0.0f ? wa * o_exact[d] : 0.0f;
+    const float y = wb > 0.0f ? wb * o_hist[d] : 0.0f;
+    out[d] = (x + y) * inv;
+  }
+  if (threadIdx.x == 0 && item.lse != nullptr) item.lse[qh] = mx + logf(wa + wb);
+}
+
+template <int D, int NG, bool G8>
+absl::Status LaunchTyped(const LaunchArgs& a, const LaunchShape& s, cudaStream_t stream) {
+  PrepKernel<D, G8><<<dim3(s.num_items, s.kv_heads), kPrepThreads, 0, stream>>>(a);
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (s.num_work > 0) {
+    SplitKernel<D, NG, G8><<<s.num_work, kThreads, 0, stream>>>(a);
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
+  MergeKernel<D><<<dim3(s.num_items, s.hq), kThreads, 0, stream>>>(a);
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  return absl::OkStatus();
+}
+
+template <int D, int NG, bool G8>
+absl::StatusOr<int> BlocksPerSmTyped() {
+  int blocks = 0;
+  OSCARKV_CUDA_RETURN_IF_ERROR(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, SplitKernel<D, NG, G8>, kThreads, 0));
+  return blocks;
+}
+
+#define OSCARKV_DISPATCH(FN, ...)                                                         \
+  switch (s.head_dim * 100 + s.groups * 10 + (s.g8 ? 1 : 0)) {                           \
+    case 6410: return FN<64, 1, false>(__VA_ARGS__);                                     \
+    case 6411: return FN<64, 1, true>(__VA_ARGS__);                                      \
+    case 6420: return FN<64, 2, false>(__VA_ARGS__);                                     \
+    case 6421: return FN<64, 2, true>(__VA_ARGS__);                                      \
+    case 6440: return FN<64, 4, false>(__VA_ARGS__);                                     \
+    case 6441: return FN<64, 4, true>(__VA_ARGS__);                                      \
+    case 12810: return FN<128, 1, false>(__VA_ARGS__);                                   \
+    case 12811: return FN<128, 1, true>(__VA_ARGS__);                                    \
+    case 12820: return FN<128, 2, false>(__VA_ARGS__);                                   \
+    case 12821: return FN<128, 2, true>(__VA_ARGS__);                                    \
+    case 12840: return FN<128, 4, false>(__VA_ARGS__);                                   \
+    case 12841: return FN<128, 4, true>(__VA_ARGS__);                                    \
+    case 25610: return FN<256, 1, false>(__VA_ARGS__);                                   \
+    case 25611: return FN<256, 1, true>(__VA_ARGS__);                                    \
+    case 25620: return FN<256, 2, false>(__VA_ARGS__);                                   \
+    case 25621: return FN<256, 2, true>(__VA_ARGS__);                                    \
+    case 25640: return FN<256, 4, false>(__VA_ARGS__);                                   \
+    case 25641: return FN<256, 4, true>(__VA_ARGS__);                                    \
+    default:                                                                             \
+      return absl::UnimplementedError(absl::StrCat("no CUDA attention kernel for head_dim ", \
+                                                   s.head_dim, " with ", s.groups,       \
+                                                   " quantization groups"));             \
+  }
+
+}  // namespace
+
+absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& s, cudaStream_t stream) {
+  if (s.num_items == 0) return absl::OkStatus();
+  OSCARKV_DISPATCH(LaunchTyped, args, s, stream)
+}
+
+absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(BlocksPerSmTyped) }
+
+}  // namespace cuda_attend
+}  // namespace oscarkv

@@ -1,0 +1,79 @@
+// Decode attention over the paged compressed cache on the GPU: the planner
+// and the three launches (query prep, split-KV attention, merge).
+//
+// Limits of this implementation (checked by Prepare, which answers
+// UNIMPLEMENTED outside them): at most 8 query heads per kv head, group size
+// G >= D/4 (G = D is the default), page_tokens a multiple of 32.
+//
+// Thread-safety: an AttendLauncher is NOT thread-safe; the CUDA backend guards
+// its launcher with a mutex. Launch() only enqueues kernels (no allocation, no
+// host synchronization), so a prepared launcher can be captured in a CUDA graph
+// and replayed; the device pointers inside the batch must stay valid.
+#ifndef OSCARKV_KERNELS_CUDA_ATTEND_KERNELS_H_
+#define OSCARKV_KERNELS_CUDA_ATTEND_KERNELS_H_
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/backend.h"
+
+namespace oscarkv {
+
+// What the last Prepare() scheduled (for logs and benchmarks).
+struct AttendSchedule {
+  int num_items = 0;
+  int exact_units = 0;
+  int history_units = 0;
+  int pages_per_unit = 0;
+  int partials = 0;
+  size_t upload_bytes = 0;
+};
+
+class AttendLauncher {
+ public:
+  // `device` is the CUDA device the launcher's memory lives on.
+  static absl::StatusOr<std::unique_ptr<AttendLauncher>> Create(int device);
+  ~AttendLauncher();
+  AttendLauncher(const AttendLauncher&) = delete;
+  AttendLauncher& operator=(const AttendLauncher&) = delete;
+
+  // Checks the batch, plans the work units, grows the workspace if needed
+  // (rarely: it keeps the largest size seen) and enqueues one upload of the
+  // page tables and the schedule from pinned staging memory on `stream`.
+  // The batch's host arrays are read during the call only. Waits for the
+  // previous upload from the staging buffer to finish before reusing it.
+  absl::Status Prepare(const AttendBatch& batch, cudaStream_t stream);
+
+  // Enqueues the kernels of the last prepared batch on `stream`.
+  absl::Status Launch(cudaStream_t stream) const;
+
+  const AttendSchedule& schedule() const { return schedule_; }
+
+ private:
+  AttendLauncher(int device, int num_sms);
+  absl::Status Reserve(size_t upload_bytes, size_t device_bytes);
+
+  int device_;
+  int num_sms_;
+  // Pinned staging (host) and the workspace (device): the upload region first,
+  // then device-only scratch (query fragments, partials).
+  void* staging_ = nullptr;
+  size_t staging_bytes_ = 0;
+  void* workspace_ = nullptr;
+  size_t workspace_bytes_ = 0;
+  cudaEvent_t upload_done_ = nullptr;
+
+  // The prepared launch.
+  struct Prepared;
+  std::unique_ptr<Prepared> prepared_;
+  AttendSchedule schedule_;
+};
+
+}  // namespace oscarkv
+
+#endif  // OSCARKV_KERNELS_CUDA_ATTEND_KERNELS_H_

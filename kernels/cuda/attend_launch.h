@@ -1,0 +1,35 @@
+// Internal: the kernel launches of one decode-attention call (attend_kernels.cu),
+// used by AttendLauncher (attend_launcher.cu). Not a public header.
+#ifndef OSCARKV_KERNELS_CUDA_ATTEND_LAUNCH_H_
+#define OSCARKV_KERNELS_CUDA_ATTEND_LAUNCH_H_
+
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "absl/status/statusor.h"
+#include "kernels/cuda/attend_device.cuh"
+
+namespace oscarkv {
+namespace cuda_attend {
+
+struct LaunchShape {
+  int head_dim = 0;
+  int groups = 0;   // D / G: 1, 2 or 4
+  bool g8 = false;  // more than 4 query heads per kv head
+  int num_items = 0;
+  int num_work = 0;
+  int kv_heads = 0;
+  int hq = 0;
+};
+
+// Prep, split-KV and merge kernels, enqueued on `stream`.
+absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& shape,
+                             cudaStream_t stream);
+
+// Resident blocks per multiprocessor of the split kernel for this shape.
+absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& shape);
+
+}  // namespace cuda_attend
+}  // namespace oscarkv
+
+#endif  // OSCARKV_KERNELS_CUDA_ATTEND_LAUNCH_H_

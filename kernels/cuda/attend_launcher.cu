@@ -1,0 +1,284 @@
+// Host side of the CUDA decode attention: checks a batch, cuts it into work
+// units (exact blocks, then history page ranges sized so that the split kernel
+// runs in one wave), uploads the page tables and the schedule in one copy from
+// pinned memory, and launches.
+#include <algorithm>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/attend_kernels.h"
+#include "kernels/cuda/attend_launch.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/status_macros.h"
+
+namespace oscarkv {
+
+using cuda_attend::ItemPlan;
+using cuda_attend::LaunchArgs;
+using cuda_attend::LaunchShape;
+using cuda_attend::WorkUnit;
+
+struct AttendLauncher::Prepared {
+  LaunchArgs args{};
+  LaunchShape shape{};
+};
+
+namespace {
+
+constexpr size_t kAlign = 256;
+size_t AlignUp(size_t x) { return (x + kAlign - 1) / kAlign * kAlign; }
+bool Aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+
+absl::Status CheckBatch(const AttendBatch& b) {
+  OSCARKV_RETURN_IF_ERROR(ValidateGeometry(b.geom));
+  const int H = b.geom.kv_heads, D = b.geom.head_dim;
+  if (b.num_q_heads <= 0 || b.num_q_heads % H != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_q_heads ", b.num_q_heads, " must be a positive multiple of kv_heads ", H));
+  }
+  if (b.num_q_heads / H > 8) {
+    return absl::UnimplementedError(absl::StrCat("CUDA attention supports at most 8 query heads ",
+                                                 "per kv head, got ", b.num_q_heads / H));
+  }
+  if (b.geom.group_size < D / 4) {
+    return absl::UnimplementedError(absl::StrCat("CUDA attention needs group_size >= head_dim/4 (",
+                                                 D / 4, "), got ", b.geom.group_size));
+  }
+  if (b.geom.page_tokens % 32 != 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "CUDA attention needs page_tokens to be a multiple of 32, got ", b.geom.page_tokens));
+  }
+  if (!(b.scale > 0.0f) || !std::isfinite(b.scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("attention scale must be finite and > 0, got ",
+                                                   b.scale));
+  }
+  if (b.num_items < 0 || (b.num_items > 0 && b.items == nullptr)) {
+    return absl::InvalidArgumentError("attention batch has no item array");
+  }
+  for (int i = 0; i < b.num_items; ++i) {
+    const AttendItem& it = b.items[i];
+    if (it.q == nullptr || it.out == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has no q or out"));
+    }
+    if (it.num_pages < 0 || it.num_exact < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has negative counts"));
+    }
+    if (it.num_pages > 0) {
+      if (it.pages == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has no page table"));
+      }
+      if (it.rotation.r_k == nullptr || it.rotation.r_v == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has no rotation"));
+      }
+    }
+    if (it.num_exact > 0 && it.exact == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has no exact blocks"));
+    }
+    for (int e = 0; e < it.num_exact; ++e) {
+      const ExactBlockRef& x = it.exact[e];
+      if (x.tokens < 0 || x.tokens > b.geom.page_tokens) {
+        return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " exact block ", e,
+                                                       " has ", x.tokens, " tokens"));
+      }
+      if (x.tokens > 0 && (x.block == nullptr || !Aligned8(x.block))) {
+        return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " exact block ", e,
+                                                       " is null or not 8-byte aligned"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
+absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int device) {
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  int sms = 0;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  std::unique_ptr<AttendLauncher> l(new AttendLauncher(device, sms));
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
+  return l;
+}
+
+AttendLauncher::AttendLauncher(int device, int num_sms)
+    : device_(device), num_sms_(num_sms), prepared_(std::make_unique<Prepared>()) {}
+
+AttendLauncher::~AttendLauncher() {
+  cudaSetDevice(device_);
+  if (upload_done_ != nullptr) cudaEventSynchronize(upload_done_);
+  if (workspace_ != nullptr) {
+    cudaDeviceSynchronize();
+    cudaFree(workspace_);
+  }
+  if (staging_ != nullptr) cudaFreeHost(staging_);
+  if (upload_done_ != nullptr) cudaEventDestroy(upload_done_);
+}
+
+absl::Status AttendLauncher::Reserve(size_t upload_bytes, size_t device_bytes) {
+  if (upload_bytes > staging_bytes_) {
+    const size_t want = std::max(upload_bytes, staging_bytes_ * 3 / 2);
+    if (staging_ != nullptr) OSCARKV_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging_));
+    staging_ = nullptr;
+    staging_bytes_ = 0;
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&staging_, want, cudaHostAllocDefault));
+    staging_bytes_ = want;
+  }
+  if (device_bytes > workspace_bytes_) {
+    const size_t want = std::max(device_bytes, workspace_bytes_ * 3 / 2);
+    if (workspace_ != nullptr) {
+      // Kernels of earlier launches may still read the old workspace.
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaFree(workspace_));
+    }
+    workspace_ = nullptr;
+    workspace_bytes_ = 0;
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMalloc(&workspace_, want));
+    workspace_bytes_ = want;
+  }
+  return absl::OkStatus();
+}
+
+absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) {
+  OSCARKV_RETURN_IF_ERROR(CheckBatch(b));
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+  const PageGeometry& geom = b.geom;
+  const int H = geom.kv_heads, D = geom.head_dim, g = b.num_q_heads / H;
+  const int n = b.num_items;
+
+  LaunchShape shape;
+  shape.head_dim = D;
+  shape.groups = D / geom.group_size;
+  shape.g8 = g > 4;
+  shape.num_items = n;
+  shape.kv_heads = H;
+  shape.hq = b.num_q_heads;
+
+  // Work units: exact blocks first (short), then history ranges sized so that
+  // all units fit in one wave of resident blocks.
+  long total_pages = 0, total_exact = 0;
+  for (int i = 0; i < n; ++i) {
+    total_pages += b.items[i].num_pages;
+    total_exact += b.items[i].num_exact;
+  }
+  OSCARKV_ASSIGN_OR_RETURN(const int per_sm, cuda_attend::SplitBlocksPerSm(shape));
+  const long capacity = std::max<long>(1, long(per_sm) * num_sms_);
+  const long exact_units = total_exact * H;
+  const long target = std::max(capacity / 2, capacity - exact_units / 2);
+  long ppu = std::max<long>(1, (total_pages * H + target - 1) / target);
+  auto count_units = [&](long p) {
+    long u = 0;
+    for (int i = 0; i < n; ++i) u += (b.items[i].num_pages + p - 1) / p;
+    return u * H;
+  };
+  while (ppu < (1L << 30) && count_units(ppu) > target) ++ppu;
+  const long history_units = total_pages > 0 ? count_units(ppu) : 0;
+  const long num_work = exact_units + history_units;
+  if (num_work > (1L << 30) || total_pages > (1L << 30)) {
+    return absl::InvalidArgumentError("attention batch too large for one launch");
+  }
+
+  // Layout: [items][page table][exact blocks][work] (uploaded), then
+  // [qfrag][qmeta][qexact][partials] (device only).
+  const int nt = g > 4 ? 2 : 1;
+  const size_t off_items = 0;
+  const size_t off_pages = AlignUp(off_items + sizeof(ItemPlan) * n);
+  const size_t off_exact = AlignUp(off_pages + sizeof(void*) * total_pages);
+  const size_t off_work = AlignUp(off_exact + sizeof(ExactBlockRef) * total_exact);
+  const size_t upload = AlignUp(off_work + sizeof(WorkUnit) * num_work);
+  const size_t off_qfrag = upload;
+  const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
+  const size_t off_qexact =
+      AlignUp(off_qmeta + size_t(n) * b.num_q_heads * cuda_attend::kQueryMetaFloats * 4);
+  const size_t off_part = AlignUp(off_qexact + size_t(n) * b.num_q_heads * D * 4);
+  const size_t total = AlignUp(off_part + size_t(num_work) * cuda_attend::PartialFloats(g, D) * 4);
+
+  // The staging buffer may still feed the previous upload.
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(upload_done_));
+  OSCARKV_RETURN_IF_ERROR(Reserve(upload, total));
+  auto* host = static_cast<uint8_t*>(staging_);
+  auto* dev = static_cast<uint8_t*>(workspace_);
+  auto* items = reinterpret_cast<ItemPlan*>(host + off_items);
+  auto* pages = reinterpret_cast<const uint8_t**>(host + off_pages);
+  auto* exact = reinterpret_cast<ExactBlockRef*>(host + off_exact);
+  auto* work = reinterpret_cast<WorkUnit*>(host + off_work);
+
+  long page_pos = 0, exact_pos = 0, partial = 0;
+  int w = 0;
+  for (int i = 0; i < n; ++i) {
+    const AttendItem& it = b.items[i];
+    ItemPlan& ip = items[i];
+    ip = ItemPlan{};
+    ip.q = it.q;
+    ip.out = it.out;
+    ip.lse = it.lse;
+    ip.rotation = it.rotation;
+    ip.pages = reinterpret_cast<const uint8_t* const*>(dev + off_pages) + page_pos;
+    ip.exact = reinterpret_cast<const ExactBlockRef*>(dev + off_exact) + exact_pos;
+    ip.num_pages = it.num_pages;
+    ip.num_exact = it.num_exact;
+    for (int p = 0; p < it.num_pages; ++p) {
+      const uint8_t* pg = it.pages[p];
+      if (pg == nullptr || !Aligned8(pg)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("attention item ", i, " page ", p, " is null or not 8-byte aligned"));
+      }
+      pages[page_pos + p] = pg;
+    }
+    if (it.num_exact > 0) std::memcpy(exact + exact_pos, it.exact, sizeof(ExactBlockRef) * it.num_exact);
+    page_pos += it.num_pages;
+    exact_pos += it.num_exact;
+    ip.exact_begin = static_cast<int>(partial);
+    for (int h = 0; h < H; ++h) {
+      for (int e = 0; e < it.num_exact; ++e) {
+        work[w++] = WorkUnit{i, h, e, e + 1, static_cast<int>(partial++), 1};
+      }
+    }
+  }
+  for (int i = 0; i < n; ++i) {
+    const AttendItem& it = b.items[i];
+    ItemPlan& ip = items[i];
+    const int splits = it.num_pages > 0 ? static_cast<int>((it.num_pages + ppu - 1) / ppu) : 0;
+    ip.hist_begin = static_cast<int>(partial);
+    ip.hist_splits = splits;
+    for (int h = 0; h < H; ++h) {
+      for (int s = 0; s < splits; ++s) {
+        const int begin = static_cast<int>(s * ppu);
+        const int end = static_cast<int>(std::min<long>(it.num_pages, (s + 1) * ppu));
+        work[w++] = WorkUnit{i, h, begin, end, static_cast<int>(partial++), 0};
+      }
+    }
+  }
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, host, upload, cudaMemcpyHostToDevice, stream));
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_done_, stream));
+
+  shape.num_work = w;
+  LaunchArgs& a = prepared_->args;
+  a.items = reinterpret_cast<const ItemPlan*>(dev + off_items);
+  a.work = reinterpret_cast<const WorkUnit*>(dev + off_work);
+  a.geom = geom;
+  a.g = g;
+  a.hq = b.num_q_heads;
+  a.scale_log2 = b.scale * 1.4426950408889634f;
+  a.qfrag = reinterpret_cast<uint32_t*>(dev + off_qfrag);
+  a.qmeta = reinterpret_cast<float*>(dev + off_qmeta);
+  a.qexact = reinterpret_cast<float*>(dev + off_qexact);
+  a.partials = reinterpret_cast<float*>(dev + off_part);
+  prepared_->shape = shape;
+
+  schedule_.num_items = n;
+  schedule_.exact_units = static_cast<int>(exact_units);
+  schedule_.history_units = static_cast<int>(history_units);
+  schedule_.pages_per_unit = static_cast<int>(ppu);
+  schedule_.partials = static_cast<int>(partial);
+  schedule_.upload_bytes = upload;
+  return absl::OkStatus();
+}
+
+absl::Status AttendLauncher::Launch(cudaStream_t stream) const {
+  return cuda_attend::LaunchAttention(prepared_->args, prepared_->shape, stream);
+}
+
+}  // namespace oscarkv

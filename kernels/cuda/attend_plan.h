@@ -1,0 +1,56 @@
+// The schedule of one batched decode-attention call on the GPU, as the kernels
+// read it from device memory (shared by the host planner and the kernels).
+//
+// A batch is cut into work units, one thread block each:
+//   - exact units: one (item, kv head, sink/recent block), BF16 attention;
+//   - history units: one (item, kv head, range of history pages) (split-KV).
+// Every unit writes one partial result (un-normalized accumulator, running max
+// and running sum per query head of the GQA group, base-2 logits) that the
+// merge kernel combines with the online-softmax rule.
+#ifndef OSCARKV_KERNELS_CUDA_ATTEND_PLAN_H_
+#define OSCARKV_KERNELS_CUDA_ATTEND_PLAN_H_
+
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/backend.h"
+
+namespace oscarkv {
+namespace cuda_attend {
+
+struct ItemPlan {
+  const float* q = nullptr;  // [Hq][D]
+  float* out = nullptr;      // [Hq][D]
+  float* lse = nullptr;      // [Hq] or null
+  RotationRef rotation;
+  const uint8_t* const* pages = nullptr;  // device copy of the page table
+  const ExactBlockRef* exact = nullptr;   // device copy of the exact blocks
+  int num_pages = 0;
+  int num_exact = 0;
+  // Partials of kv head h: history  hist_begin + h * hist_splits + s,
+  //                        exact    exact_begin + h * num_exact + e.
+  int hist_begin = 0;
+  int hist_splits = 0;
+  int exact_begin = 0;
+  int pad = 0;
+};
+
+struct WorkUnit {
+  int item = 0;
+  int kv_head = 0;
+  int begin = 0;  // first page (history) or the exact block index (exact)
+  int end = 0;    // one past the last page
+  int partial = 0;
+  int exact = 0;  // 1: exact unit
+};
+
+// Floats per partial: acc [g][D], then m [g], then l [g].
+inline constexpr size_t PartialFloats(int g, int d) { return size_t(g) * (d + 2); }
+
+// Per query head: {2^E, qsum[4 groups], 0, 0, 0} (see the prep kernel).
+inline constexpr int kQueryMetaFloats = 8;
+
+}  // namespace cuda_attend
+}  // namespace oscarkv
+
+#endif  // OSCARKV_KERNELS_CUDA_ATTEND_PLAN_H_

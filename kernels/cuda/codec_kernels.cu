@@ -1,0 +1,358 @@
+#include "kernels/cuda/codec_kernels.h"
+
+#include <cuda_bf16.h>
+#include <mma.h>
+
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/quantize.h"
+
+namespace oscarkv {
+namespace {
+
+using bf16 = __nv_bfloat16;
+
+constexpr int kEncodeWarps = 8;
+constexpr int kEncodeThreads = kEncodeWarps * 32;
+constexpr int kEncodeTilesPerBlock = 4;
+
+// Tile shapes of the encode kernel for head dim D: M rows per tile, the
+// rotation staged in shared memory CW columns at a time (bf16 hi and lo).
+template <int D>
+struct EncodeShape {
+  static constexpr int M = D == 256 ? 32 : 64;
+  static constexpr int CW = D < 128 ? D : 128;
+  static constexpr int NC = D / CW;
+  static constexpr int LDX = D + 8;   // bf16 elements
+  static constexpr int LDR = CW + 8;  // bf16 elements
+  static constexpr int LDY = D + 4;   // floats
+  static constexpr size_t kXBytes = size_t(M) * LDX * 2;
+  static constexpr size_t kRBytes = size_t(D) * LDR * 2;
+  static constexpr size_t kYBytes = size_t(M) * LDY * 4;
+  static constexpr size_t kQBytes = size_t(kEncodeWarps) * D;
+  static constexpr size_t kSmem = kXBytes + 2 * kRBytes + kYBytes + kQBytes + 2 * M * 4;
+};
+
+__device__ __forceinline__ int DeviceClipRank(float ratio, int n) {
+  int k = static_cast<int>(ceil(static_cast<double>(ratio) * n - 1e-9));
+  return min(max(k, 1), n);
+}
+
+__device__ __forceinline__ const float* RowRotation(const RotationRef& r, int kind, int h) {
+  return (kind == 0 ? r.r_k : r.r_v) + r.stride * h;
+}
+
+// Clip, quantize and pack one rotated row held in shared memory; one warp.
+template <int D>
+__device__ void QuantizeRowWarp(const float* yrow, int group, float clip, uint8_t* codes_out,
+                                QuantParams* params_out, uint8_t* q, int lane) {
+  constexpr int E = D / 32;
+  float y[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) y[i] = yrow[lane + 32 * i];
+
+  if (clip < 1.0f) {
+    // tau = k-th smallest |y| (1-based), by a bitwise search on the float bits
+    // of |y| (monotone for non-negative floats): exactly nth_element's answer.
+    const int k = DeviceClipRank(clip, D);
+    uint32_t u[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) u[i] = __float_as_uint(fabsf(y[i]));
+    uint32_t x = 0;
+    for (int b = 30; b >= 0; --b) {
+      const uint32_t t = x | (1u << b);
+      int cnt = 0;
+#pragma unroll
+      for (int i = 0; i < E; ++i) cnt += u[i] < t ? 1 : 0;
+      cnt = __reduce_add_sync(0xffffffffu, cnt);
+      if (cnt < k) x = t;
+    }
+    const float tau = __uint_as_float(x);
+#pragma unroll
+    for (int i = 0; i < E; ++i) y[i] = fminf(fmaxf(y[i], -tau), tau);
+  }
+
+  // Group min / max. Element lane + 32 i lies in group (lane + 32 i) / G.
+  float mn[E], mx[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) mn[i] = mx[i] = y[i];
+  const int seg = group < 32 ? group : 32;
+  for (int off = seg / 2; off >= 1; off >>= 1) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      mn[i] = fminf(mn[i], __shfl_xor_sync(0xffffffffu, mn[i], off));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
+    }
+  }
+  if (group > 32) {
+    const int per = group / 32;
+    float gmn[E], gmx[E];
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      float a = INFINITY, b = -INFINITY;
+#pragma unroll
+      for (int j = 0; j < E; ++j) {
+        if (j / per == i / per) {
+          a = fminf(a, mn[j]);
+          b = fmaxf(b, mx[j]);
+        }
+      }
+      gmn[i] = a;
+      gmx[i] = b;
+    }
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      mn[i] = gmn[i];
+      mx[i] = gmx[i];
+    }
+  }
+
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    const float lo = mn[i], hi = mx[i];
+    const float s = fmaxf(__fsub_rn(hi, lo), kMinRange) / 3.0f;
+    const fp16_bits s_h = FloatToFp16(s);
+    const fp16_bits lo_h = FloatToFp16(lo);
+    const float sq = Fp16ToFloat(s_h);
+    const float loq = Fp16ToFloat(lo_h);
+    const float inv = sq > 0.0f ? 1.0f / sq : 0.0f;
+    float c = rintf(__fmul_rn(__fsub_rn(y[i], loq), inv));
+    c = fminf(fmaxf(c, 0.0f), 3.0f);
+    const int e = lane + 32 * i;
+    q[e] = static_cast<uint8_t>(c);
+    if (e % group == 0) params_out[e / group] = QuantParams{s_h, lo_h};
+  }
+  __syncwarp();
+  constexpr int kQuarter = D / 4;
+  for (int j = lane; j < kQuarter; j += 32) {
+    codes_out[j] = PackCodes4(q[j], q[j + kQuarter], q[j + 2 * kQuarter], q[j + 3 * kQuarter]);
+  }
+  __syncwarp();
+}
+
+// grid.x: chunks of kEncodeTilesPerBlock*M rows over (job, token); grid.y: head*2 + kind.
+template <int D>
+__global__ void __launch_bounds__(kEncodeThreads)
+    EncodeKernel(PageGeometry geom, const EncodeJob* __restrict__ jobs, int num_jobs) {
+  using S = EncodeShape<D>;
+  namespace wmma = nvcuda::wmma;
+  extern __shared__ __align__(128) unsigned char smem[];
+  bf16* xs = reinterpret_cast<bf16*>(smem);
+  bf16* rhi = reinterpret_cast<bf16*>(smem + S::kXBytes);
+  bf16* rlo = reinterpret_cast<bf16*>(smem + S::kXBytes + S::kRBytes);
+  float* ys = reinterpret_cast<float*>(smem + S::kXBytes + 2 * S::kRBytes);
+  uint8_t* qs = smem + S::kXBytes + 2 * S::kRBytes + S::kYBytes;
+  int* row_state = reinterpret_cast<int*>(qs + S::kQBytes);  // 1 = done
+  __shared__ const float* cur_r;
+  __shared__ const float* loaded_r;
+  __shared__ int loaded_chunk;
+
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int h = blockIdx.y >> 1, kind = blockIdx.y & 1;
+  const int P = geom.page_tokens;
+  const size_t row_elems = geom.exact_row_elems();
+  const long total_rows = static_cast<long>(num_jobs) * P;
+  const long block_row0 = static_cast<long>(blockIdx.x) * kEncodeTilesPerBlock * S::M;
+  if (tid == 0) {
+    loaded_r = nullptr;
+    loaded_chunk = -1;
+  }
+
+  for (int tile = 0; tile < kEncodeTilesPerBlock; ++tile) {
+    const long row0 = block_row0 + static_cast<long>(tile) * S::M;
+    if (row0 >= total_rows) break;
+    const long left = total_rows - row0;
+    const int n = static_cast<int>(left < S::M ? left : S::M);
+    for (int i = tid; i < S::M; i += kEncodeThreads) row_state[i] = i < n ? 0 : 1;
+    __syncthreads();
+    // Rows of one tile may belong to jobs with different rotations: one pass per
+    // distinct rotation (one pass in the common case).
+    while (true) {
+      if (tid == 0) {
+        cur_r = nullptr;
+        for (int i = 0; i < n; ++i) {
+          if (!row_state[i]) {
+            const long row = row0 + i;
+            cur_r = RowRotation(jobs[row / P].rotation, kind, h);
+            break;
+          }
+        }
+      }
+      __syncthreads();
+      const float* r = cur_r;
+      if (r == nullptr) break;
+      // Stage x rows of this rotation (others zero), 8 bytes per thread-load.
+      constexpr int kChunksPerRow = D / 4;
+      for (int idx = tid; idx < S::M * kChunksPerRow; idx += kEncodeThreads) {
+        const int i = idx / kChunksPerRow, c = idx % kChunksPerRow;
+        uint2 v = make_uint2(0, 0);
+        if (!row_state[i]) {
+          const long row = row0 + i;
+          const EncodeJob& job = jobs[row / P];
+          if (RowRotation(job.rotation, kind, h) == r) {
+            const bf16_bits* src = job.src_block + kind * size_t(P) * row_elems +
+                                   size_t(row % P) * row_elems + size_t(h) * D;
+            v = *reinterpret_cast<const uint2*>(src + 4 * c);
+          }
+        }
+        *reinterpret_cast<uint2*>(xs + i * S::LDX + 4 * c) = v;
+      }
+      for (int cc = 0; cc < S::NC; ++cc) {
+        if (loaded_r != r || loaded_chunk != cc) {
+          __syncthreads();  // previous users of rhi/rlo are done
+          for (int idx = tid; idx < D * S::CW; idx += kEncodeThreads) {
+            const int i = idx / S::CW, j = idx % S::CW;
+            const float v = r[size_t(i) * D + cc * S::CW + j];
+            const bf16 vh = __float2bfloat16_rn(v);
+            rhi[i * S::LDR + j] = vh;
+            rlo[i * S::LDR + j] = __float2bfloat16_rn(v - __bfloat162float(vh));
+          }
+          __syncthreads();
+          if (tid == 0) {
+            loaded_r = r;
+            loaded_chunk = cc;
+          }
+        }
+        __syncthreads();
+        constexpr int TN = S::CW / 16;
+        constexpr int T = (S::M / 16) * TN;
+        for (int t = warp; t < T; t += kEncodeWarps) {
+          const int mi = t / TN, nj = t % TN;
+          wmma::fragment<wmma::accumulator, 16, 16, 16, float> acc;
+          wmma::fill_fragment(acc, 0.0f);
+#pragma unroll 4
+          for (int kk = 0; kk < D / 16; ++kk) {
+            wmma::fragment<wmma::matrix_a, 16, 16, 16, bf16, wmma::row_major> a;
+            wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
+            wmma::load_matrix_sync(a, xs + mi * 16 * S::LDX + kk * 16, S::LDX);
+            wmma::load_matrix_sync(b, rlo + kk * 16 * S::LDR + nj * 16, S::LDR);
+            wmma::mma_sync(acc, a, b, acc);
+            wmma::load_matrix_sync(b, rhi + kk * 16 * S::LDR + nj * 16, S::LDR);
+            wmma::mma_sync(acc, a, b, acc);
+          }
+          wmma::store_matrix_sync(ys + mi * 16 * S::LDY + cc * S::CW + nj * 16, acc, S::LDY,
+                                  wmma::mem_row_major);
+        }
+      }
+      __syncthreads();
+      for (int i = warp; i < n; i += kEncodeWarps) {
+        if (row_state[i]) continue;
+        const long row = row0 + i;
+        const EncodeJob& job = jobs[row / P];
+        if (RowRotation(job.rotation, kind, h) != r) continue;
+        const int t = static_cast<int>(row % P);
+        uint8_t* codes = job.dst_page + geom.codes_offset(h, kind) + size_t(t) * (D / 4);
+        auto* params = reinterpret_cast<QuantParams*>(job.dst_page + geom.params_offset(h, kind)) +
+                       size_t(t) * geom.groups();
+        QuantizeRowWarp<D>(ys + i * S::LDY, geom.group_size, kind == 0 ? job.clip_k : job.clip_v,
+                           codes, params, qs + warp * D, lane);
+      }
+      __syncthreads();
+      // Mark the rows of this rotation done (after every warp has compared).
+      for (int i = tid; i < n; i += kEncodeThreads) {
+        if (!row_state[i]) {
+          const long row = row0 + i;
+          if (RowRotation(jobs[row / P].rotation, kind, h) == r) row_state[i] = 1;
+        }
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// Decode: one block per (job, head*2+kind), D threads; tokens in batches of 8
+// so each rotation element read from L1 serves 8 rows.
+constexpr int kDecodeBatch = 8;
+
+template <int D>
+__global__ void __launch_bounds__(D)
+    DecodeKernel(PageGeometry geom, const DecodeJob* __restrict__ jobs) {
+  __shared__ float ys[kDecodeBatch][D];
+  const DecodeJob& job = jobs[blockIdx.x];
+  const int h = blockIdx.y >> 1, kind = blockIdx.y & 1;
+  const int i = threadIdx.x;
+  const int P = geom.page_tokens, groups = geom.groups(), G = geom.group_size;
+  const size_t row_elems = geom.exact_row_elems();
+  const uint8_t* codes = job.src_page + geom.codes_offset(h, kind);
+  const auto* params =
+      reinterpret_cast<const QuantParams*>(job.src_page + geom.params_offset(h, kind));
+  const float* r = RowRotation(job.rotation, kind, h) + size_t(i) * D;
+  bf16_bits* dst = job.dst_block + kind * size_t(P) * row_elems + size_t(h) * D + i;
+  constexpr int kQuarter = D / 4;
+  for (int t0 = 0; t0 < P; t0 += kDecodeBatch) {
+    const int nt = min(kDecodeBatch, P - t0);
+    for (int tt = 0; tt < nt; ++tt) {
+      const int t = t0 + tt;
+      const uint8_t byte = codes[size_t(t) * kQuarter + (i % kQuarter)];
+      const QuantParams p = params[size_t(t) * groups + i / G];
+      ys[tt][i] = static_cast<float>(UnpackCode(byte, i / kQuarter)) * Fp16ToFloat(p.scale) +
+                  Fp16ToFloat(p.min);
+    }
+    __syncthreads();
+    float acc[kDecodeBatch];
+#pragma unroll
+    for (int tt = 0; tt < kDecodeBatch; ++tt) acc[tt] = 0.0f;
+    for (int j = 0; j < D; ++j) {
+      const float rv = __ldg(r + j);
+#pragma unroll
+      for (int tt = 0; tt < kDecodeBatch; ++tt) acc[tt] = fmaf(ys[tt][j], rv, acc[tt]);
+    }
+    for (int tt = 0; tt < nt; ++tt) dst[size_t(t0 + tt) * row_elems] = FloatToBf16(acc[tt]);
+    __syncthreads();
+  }
+}
+
+template <int D>
+absl::Status LaunchEncodeD(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
+                           cudaStream_t stream) {
+  using S = EncodeShape<D>;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      EncodeKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
+  const long rows = static_cast<long>(num_jobs) * geom.page_tokens;
+  const long per_block = static_cast<long>(kEncodeTilesPerBlock) * S::M;
+  const long blocks = (rows + per_block - 1) / per_block;
+  if (blocks > 0x7fffffffL) return absl::InvalidArgumentError("too many encode jobs for one launch");
+  dim3 grid(static_cast<unsigned>(blocks), 2 * geom.kv_heads);
+  EncodeKernel<D><<<grid, kEncodeThreads, S::kSmem, stream>>>(geom, jobs, num_jobs);
+  return CudaStatus(cudaGetLastError(), "EncodeKernel launch");
+}
+
+template <int D>
+absl::Status LaunchDecodeD(const PageGeometry& geom, const DecodeJob* jobs, int num_jobs,
+                           cudaStream_t stream) {
+  dim3 grid(num_jobs, 2 * geom.kv_heads);
+  DecodeKernel<D><<<grid, D, 0, stream>>>(geom, jobs);
+  return CudaStatus(cudaGetLastError(), "DecodeKernel launch");
+}
+
+}  // namespace
+
+absl::Status LaunchEncodePages(const PageGeometry& geom, const EncodeJob* dev_jobs, int num_jobs,
+                               cudaStream_t stream) {
+  if (num_jobs <= 0) return absl::OkStatus();
+  if (geom.kv_heads > 32767) return absl::InvalidArgumentError("too many kv heads");
+  switch (geom.head_dim) {
+    case 64: return LaunchEncodeD<64>(geom, dev_jobs, num_jobs, stream);
+    case 128: return LaunchEncodeD<128>(geom, dev_jobs, num_jobs, stream);
+    case 256: return LaunchEncodeD<256>(geom, dev_jobs, num_jobs, stream);
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unsupported head_dim ", geom.head_dim));
+  }
+}
+
+absl::Status LaunchDecodePages(const PageGeometry& geom, const DecodeJob* dev_jobs, int num_jobs,
+                               cudaStream_t stream) {
+  if (num_jobs <= 0) return absl::OkStatus();
+  if (geom.kv_heads > 32767) return absl::InvalidArgumentError("too many kv heads");
+  switch (geom.head_dim) {
+    case 64: return LaunchDecodeD<64>(geom, dev_jobs, num_jobs, stream);
+    case 128: return LaunchDecodeD<128>(geom, dev_jobs, num_jobs, stream);
+    case 256: return LaunchDecodeD<256>(geom, dev_jobs, num_jobs, stream);
+    default:
+      return absl::InvalidArgumentError(absl::StrCat("unsupported head_dim ", geom.head_dim));
+  }
+}
+
+}  // namespace oscarkv

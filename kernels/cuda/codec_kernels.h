@@ -1,0 +1,33 @@
+// Launchers of the CUDA codec kernels (the twins of kernels/quantize.h and the
+// CPU backend's EncodePages/DecodePages).
+//
+// Job arrays are in device memory; every pointer inside them is device memory
+// (8-byte aligned). Launchers only enqueue on `stream`: they never allocate,
+// never synchronize and never abort; a launch error comes back as a Status.
+// Callers check the geometry first (ValidateGeometry in kernels/cpu).
+#ifndef OSCARKV_KERNELS_CUDA_CODEC_KERNELS_H_
+#define OSCARKV_KERNELS_CUDA_CODEC_KERNELS_H_
+
+#include <cuda_runtime.h>
+
+#include "absl/status/status.h"
+#include "kernels/backend.h"
+
+namespace oscarkv {
+
+// Rotate (x · R on the tensor cores, R split into bf16 hi + lo parts so the
+// product keeps fp32 accuracy), clip, quantize and pack every row of every job
+// in one launch. Codes are computed against the fp16-rounded (scale, min)
+// exactly like QuantizeRow; only the fp32 summation order of the rotation
+// differs from the CPU, which can flip a code that sits on a rounding boundary.
+absl::Status LaunchEncodePages(const PageGeometry& geom, const EncodeJob* dev_jobs, int num_jobs,
+                               cudaStream_t stream);
+
+// Dequantize and un-rotate (y^ · Rᵀ, fp32, the CPU's summation order) every
+// row of every job into the exact-block BF16 layout, in one launch.
+absl::Status LaunchDecodePages(const PageGeometry& geom, const DecodeJob* dev_jobs, int num_jobs,
+                               cudaStream_t stream);
+
+}  // namespace oscarkv
+
+#endif  // OSCARKV_KERNELS_CUDA_CODEC_KERNELS_H_

@@ -1,0 +1,218 @@
+#include "kernels/cuda/cuda_backend.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstring>
+#include <mutex>
+
+#include "absl/strings/str_cat.h"
+#include "absl/strings/str_format.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/attend_kernels.h"
+#include "kernels/cuda/codec_kernels.h"
+#include "kernels/cuda/cuda_status.h"
+#include "kernels/status_macros.h"
+
+namespace oscarkv {
+namespace {
+
+bool Aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+
+// Pinned staging + device copy of a job array, grown on demand.
+class JobUpload {
+ public:
+  ~JobUpload() {
+    if (host_ != nullptr) cudaFreeHost(host_);
+    if (dev_ != nullptr) cudaFree(dev_);
+  }
+  // Copies `bytes` from `src` into pinned memory and enqueues the upload.
+  // The caller synchronizes the stream before the next Upload.
+  absl::StatusOr<void*> Upload(const void* src, size_t bytes, cudaStream_t stream) {
+    if (bytes > capacity_) {
+      const size_t want = std::max(bytes, capacity_ * 2);
+      if (host_ != nullptr) OSCARKV_CUDA_RETURN_IF_ERROR(cudaFreeHost(host_));
+      if (dev_ != nullptr) OSCARKV_CUDA_RETURN_IF_ERROR(cudaFree(dev_));
+      host_ = dev_ = nullptr;
+      capacity_ = 0;
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host_, want, cudaHostAllocDefault));
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev_, want));
+      capacity_ = want;
+    }
+    std::memcpy(host_, src, bytes);
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev_, host_, bytes, cudaMemcpyHostToDevice, stream));
+    return dev_;
+  }
+
+ private:
+  void* host_ = nullptr;
+  void* dev_ = nullptr;
+  size_t capacity_ = 0;
+};
+
+absl::Status CheckRotation(const RotationRef& r, const char* what, int i) {
+  if (r.r_k == nullptr || r.r_v == nullptr) {
+    return absl::InvalidArgumentError(absl::StrCat(what, " ", i, " has no rotation"));
+  }
+  return absl::OkStatus();
+}
+
+class CudaBackend final : public Backend {
+ public:
+  CudaBackend(int device, std::string description, std::unique_ptr<AttendLauncher> launcher,
+              cudaStream_t stream)
+      : device_(device),
+        description_(std::move(description)),
+        launcher_(std::move(launcher)),
+        stream_(stream) {}
+  ~CudaBackend() override {
+    cudaSetDevice(device_);
+    cudaStreamSynchronize(stream_);
+    launcher_.reset();
+    cudaStreamDestroy(stream_);
+  }
+
+  std::string name() const override { return "cuda"; }
+  std::string description() const override { return description_; }
+
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    void* p = nullptr;
+    const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
+    if (err != cudaSuccess) {
+      cudaGetLastError();  // clear the sticky-free allocation error
+      return CudaStatus(err, absl::StrCat("cudaMalloc(", bytes, " bytes)").c_str());
+    }
+    const int dev = device_;
+    return DeviceBuffer(p, bytes, [dev](void* q) {
+      cudaSetDevice(dev);
+      cudaFree(q);
+    });
+  }
+
+  absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
+    return Copy(dst, src, bytes, cudaMemcpyHostToDevice);
+  }
+  absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
+    return Copy(dst, src, bytes, cudaMemcpyDeviceToHost);
+  }
+  absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) override {
+    return Copy(dst, src, bytes, cudaMemcpyDeviceToDevice);
+  }
+
+  absl::Status EncodePages(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs) override {
+    OSCARKV_RETURN_IF_ERROR(ValidateGeometry(geom));
+    if (num_jobs < 0 || (num_jobs > 0 && jobs == nullptr)) {
+      return absl::InvalidArgumentError("EncodePages: no job array");
+    }
+    for (int i = 0; i < num_jobs; ++i) {
+      const EncodeJob& j = jobs[i];
+      if (j.src_block == nullptr || j.dst_page == nullptr || !Aligned8(j.src_block) ||
+          !Aligned8(j.dst_page)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("encode job ", i, " has a null or unaligned block or page"));
+      }
+      OSCARKV_RETURN_IF_ERROR(CheckRotation(j.rotation, "encode job", i));
+      if (!(j.clip_k > 0.0f && j.clip_k <= 1.0f) || !(j.clip_v > 0.0f && j.clip_v <= 1.0f)) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("encode job ", i, " has clip ratios outside (0, 1]"));
+      }
+    }
+    if (num_jobs == 0) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(mu_);
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    OSCARKV_ASSIGN_OR_RETURN(void* dev_jobs,
+                             jobs_.Upload(jobs, sizeof(EncodeJob) * num_jobs, stream_));
+    OSCARKV_RETURN_IF_ERROR(
+        LaunchEncodePages(geom, static_cast<const EncodeJob*>(dev_jobs), num_jobs, stream_));
+    return CudaStatus(cudaStreamSynchronize(stream_), "EncodePages");
+  }
+
+  absl::Status DecodePages(const PageGeometry& geom, const DecodeJob* jobs, int num_jobs) override {
+    OSCARKV_RETURN_IF_ERROR(ValidateGeometry(geom));
+    if (num_jobs < 0 || (num_jobs > 0 && jobs == nullptr)) {
+      return absl::InvalidArgumentError("DecodePages: no job array");
+    }
+    for (int i = 0; i < num_jobs; ++i) {
+      const DecodeJob& j = jobs[i];
+      if (j.src_page == nullptr || j.dst_block == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("decode job ", i, " has a null pointer"));
+      }
+      OSCARKV_RETURN_IF_ERROR(CheckRotation(j.rotation, "decode job", i));
+    }
+    if (num_jobs == 0) return absl::OkStatus();
+    std::lock_guard<std::mutex> lock(mu_);
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    OSCARKV_ASSIGN_OR_RETURN(void* dev_jobs,
+                             jobs_.Upload(jobs, sizeof(DecodeJob) * num_jobs, stream_));
+    OSCARKV_RETURN_IF_ERROR(
+        LaunchDecodePages(geom, static_cast<const DecodeJob*>(dev_jobs), num_jobs, stream_));
+    return CudaStatus(cudaStreamSynchronize(stream_), "DecodePages");
+  }
+
+  absl::Status Attend(const AttendBatch& batch) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    OSCARKV_RETURN_IF_ERROR(launcher_->Prepare(batch, stream_));
+    OSCARKV_RETURN_IF_ERROR(launcher_->Launch(stream_));
+    return CudaStatus(cudaStreamSynchronize(stream_), "Attend");
+  }
+
+ private:
+  absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
+    if (bytes == 0) return absl::OkStatus();
+    if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("copy with a null pointer");
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, kind, stream_));
+    return CudaStatus(cudaStreamSynchronize(stream_), "copy");
+  }
+
+  const int device_;
+  const std::string description_;
+  std::mutex mu_;  // guards launcher_, jobs_ (and their staging buffers)
+  std::unique_ptr<AttendLauncher> launcher_;
+  JobUpload jobs_;
+  cudaStream_t stream_;
+};
+
+}  // namespace
+
+int CudaDeviceCount() {
+  int n = 0;
+  if (cudaGetDeviceCount(&n) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  return n;
+}
+
+absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device) {
+  int n = 0;
+  const cudaError_t err = cudaGetDeviceCount(&n);
+  if (err != cudaSuccess || n == 0) {
+    cudaGetLastError();
+    return absl::UnavailableError(absl::StrCat(
+        "no CUDA device: ", err != cudaSuccess ? cudaGetErrorString(err) : "device count is 0"));
+  }
+  if (device < 0 || device >= n) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("CUDA device ", device, " out of range (", n, " devices)"));
+  }
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device));
+  cudaDeviceProp prop;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetDeviceProperties(&prop, device));
+  if (prop.major < 8) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "CUDA device ", device, " (", prop.name, ") has compute capability ", prop.major, ".",
+        prop.minor, "; oscarkv needs 8.0 or newer"));
+  }
+  OSCARKV_ASSIGN_OR_RETURN(auto launcher, AttendLauncher::Create(device));
+  cudaStream_t stream = nullptr;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  const std::string desc = absl::StrFormat(
+      "cuda:%d %s (sm_%d%d, %d SMs, %.1f GiB)", device, prop.name, prop.major, prop.minor,
+      prop.multiProcessorCount, prop.totalGlobalMem / double(1ull << 30));
+  return std::unique_ptr<Backend>(
+      new CudaBackend(device, desc, std::move(launcher), stream));
+}
+
+}  // namespace oscarkv
