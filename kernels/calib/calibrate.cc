@@ -225,41 +225,40 @@ absl::StatusOr<Eigensystem> SymmetricEigen(const std::vector<double>& target, in
 double WeightedCodecError(const float* x, int rows, size_t row_stride, int dim, const float* r,
                           float clip, int group_size, const std::vector<double>& metric,
                           const std::vector<double>& row_weight) {
+  if (rows <= 0) return 0.0;
   const int g = group_size > 0 ? group_size : dim;
-  std::vector<uint16_t> xb(dim);
-  std::vector<float> y(dim), yq(dim), scratch(2 * dim), e(dim), ex(dim);
+  // Rotate all rows at once (bf16-rounded, as the cache holds them): Y = X · R.
+  RowMatrixF xm(rows, dim);
+  for (int t = 0; t < rows; ++t) {
+    for (int j = 0; j < dim; ++j) xm(t, j) = Bf16ToFloat(FloatToBf16(x[size_t(t) * row_stride + j]));
+  }
+  const Eigen::Map<const RowMatrixF> rm(r, dim, dim);
+  const RowMatrixF y = xm * rm;
+  // The codec on each rotated row (the steps of EncodeRow after RotateRow).
+  RowMatrixD e(rows, dim);
+  std::vector<float> yc(dim), yq(dim), scratch(dim);
   std::vector<uint8_t> codes(dim / 4);
   std::vector<QuantParams> params(dim / g);
-  double total = 0;
   for (int t = 0; t < rows; ++t) {
-    const float* row = x + size_t(t) * row_stride;
-    for (int j = 0; j < dim; ++j) xb[j] = FloatToBf16(row[j]);
-    RotateRow(xb.data(), r, dim, y.data());
-    EncodeRow(xb.data(), r, dim, g, clip, codes.data(), params.data(), scratch.data());
+    std::copy_n(y.row(t).data(), dim, yc.data());
+    ClipRow(yc.data(), dim, clip, scratch.data());
+    QuantizeRow(yc.data(), dim, g, codes.data(), params.data());
     DequantizeRow(codes.data(), params.data(), dim, g, yq.data());
-    for (int j = 0; j < dim; ++j) e[j] = yq[j] - y[j];
-    // Back to the original basis: e_x = e_y · Rᵀ.
-    for (int i = 0; i < dim; ++i) {
-      double s = 0;
-      const float* ri = r + size_t(i) * dim;
-      for (int j = 0; j < dim; ++j) s += double(e[j]) * ri[j];
-      ex[i] = float(s);
-    }
-    double err = 0;
-    if (!metric.empty()) {
-      for (int i = 0; i < dim; ++i) {
-        double s = 0;
-        const double* mi = &metric[size_t(i) * dim];
-        for (int j = 0; j < dim; ++j) s += mi[j] * ex[j];
-        err += ex[i] * s;
-      }
-    } else {
-      for (int i = 0; i < dim; ++i) err += double(ex[i]) * ex[i];
-    }
-    err *= row_weight.empty() ? 1.0 : row_weight[t];
-    total += err;
+    for (int j = 0; j < dim; ++j) e(t, j) = double(yq[j]) - double(y(t, j));
   }
-  return rows > 0 ? total / rows : 0.0;
+  // Error in the original basis is e · Rᵀ; under metric M that is e (Rᵀ M R) eᵀ.
+  Eigen::VectorXd per_row;
+  if (!metric.empty()) {
+    const Eigen::Map<const RowMatrixD> mm(metric.data(), dim, dim);
+    const Eigen::MatrixXd rd = rm.cast<double>();
+    const Eigen::MatrixXd m_rot = rd.transpose() * mm * rd;
+    per_row = ((e * m_rot).array() * e.array()).rowwise().sum();
+  } else {
+    per_row = e.array().square().rowwise().sum();  // R is orthogonal
+  }
+  double total = 0;
+  for (int t = 0; t < rows; ++t) total += per_row(t) * (row_weight.empty() ? 1.0 : row_weight[t]);
+  return total / rows;
 }
 
 absl::StatusOr<LayerRotation> CalibrateLayer(const LayerActivations& a,

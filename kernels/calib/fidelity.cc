@@ -60,11 +60,11 @@ LayerRotation IdentityLayerRotation(int dim, float clip_k, float clip_v) {
 }
 
 absl::Status DequantizedCache(const SyntheticLayer& s, const LayerRotation& rot,
-                              const FidelityOptions& opt, std::vector<float>* k_hat,
+                              int group_size, std::vector<float>* k_hat,
                               std::vector<float>* v_hat) {
   OSCARKV_RETURN_IF_ERROR(CheckData(s));
   const int d = s.head_dim, hkv = s.num_kv_heads, T = s.tokens;
-  int group = opt.group_size;
+  int group = group_size;
   OSCARKV_RETURN_IF_ERROR(ResolveGroupSize(d, &group));
   if (rot.num_matrices != 1 && rot.num_matrices != hkv) {
     return absl::InvalidArgumentError(absl::StrCat("fidelity: rotation has ", rot.num_matrices,
@@ -79,10 +79,6 @@ absl::Status DequantizedCache(const SyntheticLayer& s, const LayerRotation& rot,
   std::vector<float> y(size_t(T) * d), scratch(2 * d);
   std::vector<uint8_t> codes(d / 4);
   std::vector<QuantParams> params(d / group);
-  std::vector<char> exact(T, 0);
-  if (opt.protect) {
-    for (int t = 0; t < T; ++t) exact[t] = t < opt.sink_tokens || t >= T - opt.recent_window;
-  }
   for (int kind = 0; kind < 2; ++kind) {
     const std::vector<uint16_t>& x = kind == 0 ? s.k : s.v;
     std::vector<float>& out = kind == 0 ? *k_hat : *v_hat;
@@ -99,15 +95,7 @@ absl::Status DequantizedCache(const SyntheticLayer& s, const LayerRotation& rot,
       const Eigen::Map<const RowMatrixF> rm(r, d, d);
       const Eigen::Map<const RowMatrixF> ym(y.data(), T, d);
       const RowMatrixF xh = ym * rm.transpose();
-      for (int t = 0; t < T; ++t) {
-        float* o = &out[(size_t(t) * hkv + h) * d];
-        const uint16_t* row = &x[(size_t(t) * hkv + h) * d];
-        if (exact[t]) {
-          for (int j = 0; j < d; ++j) o[j] = Bf16ToFloat(row[j]);
-        } else {
-          std::copy_n(xh.row(t).data(), d, o);
-        }
-      }
+      for (int t = 0; t < T; ++t) std::copy_n(xh.row(t).data(), d, &out[(size_t(t) * hkv + h) * d]);
     }
   }
   return absl::OkStatus();
@@ -117,12 +105,33 @@ absl::StatusOr<FidelityMetrics> MeasureFidelity(const SyntheticLayer& s,
                                                 const LayerRotation& rot,
                                                 const FidelityOptions& opt) {
   std::vector<float> k_hat, v_hat;
-  OSCARKV_RETURN_IF_ERROR(DequantizedCache(s, rot, opt, &k_hat, &v_hat));
+  OSCARKV_RETURN_IF_ERROR(DequantizedCache(s, rot, opt.group_size, &k_hat, &v_hat));
+  return MeasureCacheFidelity(s, k_hat, v_hat, opt);
+}
+
+absl::StatusOr<FidelityMetrics> MeasureCacheFidelity(const SyntheticLayer& s,
+                                                     const std::vector<float>& k_quant,
+                                                     const std::vector<float>& v_quant,
+                                                     const FidelityOptions& opt) {
+  OSCARKV_RETURN_IF_ERROR(CheckData(s));
+  if (k_quant.size() != s.k.size() || v_quant.size() != s.v.size()) {
+    return absl::InvalidArgumentError("fidelity: dequantized cache size does not match the data");
+  }
   const int d = s.head_dim, hkv = s.num_kv_heads, hq = s.num_q_heads, T = s.tokens;
   const int g = hq / hkv;
   std::vector<float> k_ref(s.k.size()), v_ref(s.v.size());
   for (size_t i = 0; i < s.k.size(); ++i) k_ref[i] = Bf16ToFloat(s.k[i]);
   for (size_t i = 0; i < s.v.size(); ++i) v_ref[i] = Bf16ToFloat(s.v[i]);
+  std::vector<float> k_hat = k_quant, v_hat = v_quant;
+  if (opt.protect) {
+    const size_t row = size_t(hkv) * d;
+    for (int t = 0; t < T; ++t) {
+      if (t < opt.sink_tokens || t >= T - opt.recent_window) {
+        std::copy_n(&k_ref[t * row], row, &k_hat[t * row]);
+        std::copy_n(&v_ref[t * row], row, &v_hat[t * row]);
+      }
+    }
+  }
   FidelityMetrics fm;
   double err2 = 0, ref2 = 0, logit2 = 0, kl = 0;
   std::vector<double> z_ref(T), z(T), p_ref(T), p(T);
@@ -139,14 +148,18 @@ absl::StatusOr<FidelityMetrics> MeasureFidelity(const SyntheticLayer& s,
         logit2 += (z[t] - z_ref[t]) * (z[t] - z_ref[t]);
         if (p_ref[t] > 0) kl += p_ref[t] * (std::log(p_ref[t]) - std::log(std::max(p[t], 1e-300)));
       }
-      for (int j = 0; j < d; ++j) {
-        double o_ref = 0, o = 0;
-        for (int t = 0; t < T; ++t) {
-          o_ref += p_ref[t] * v_ref[off + t * stride + j];
-          o += p[t] * v_hat[off + t * stride + j];
+      std::vector<double> o_ref(d, 0.0), o(d, 0.0);
+      for (int t = 0; t < T; ++t) {
+        const float* vr = &v_ref[off + t * stride];
+        const float* vh = &v_hat[off + t * stride];
+        for (int j = 0; j < d; ++j) {
+          o_ref[j] += p_ref[t] * vr[j];
+          o[j] += p[t] * vh[j];
         }
-        err2 += (o - o_ref) * (o - o_ref);
-        ref2 += o_ref * o_ref;
+      }
+      for (int j = 0; j < d; ++j) {
+        err2 += (o[j] - o_ref[j]) * (o[j] - o_ref[j]);
+        ref2 += o_ref[j] * o_ref[j];
       }
       if (r == s.needle_query && s.needle >= 0) {
         const int top_ref = int(std::max_element(z_ref.begin(), z_ref.end()) - z_ref.begin());

@@ -36,13 +36,20 @@ struct FidelityMetrics {
 // Identity D×D (the "no rotation" baseline).
 LayerRotation IdentityLayerRotation(int dim, float clip_k, float clip_v);
 
-// The dequantized cache: K^, V^ fp32 [T][Hkv][D] in the original basis.
-// `rotation` has 1 or num_kv_heads matrices.
+// The dequantized cache with every token quantized: K^, V^ fp32 [T][Hkv][D]
+// in the original basis. `rotation` has 1 or num_kv_heads matrices.
 absl::Status DequantizedCache(const SyntheticLayer& data, const LayerRotation& rotation,
-                              const FidelityOptions& options, std::vector<float>* k_hat,
+                              int group_size, std::vector<float>* k_hat,
                               std::vector<float>* v_hat);
 
-// Encodes `data` with `rotation` and measures the metrics over all its queries.
+// Metrics of a dequantized cache from DequantizedCache; options.protect puts
+// the exact BF16 rows back for the sink and recent tokens.
+absl::StatusOr<FidelityMetrics> MeasureCacheFidelity(const SyntheticLayer& data,
+                                                     const std::vector<float>& k_hat,
+                                                     const std::vector<float>& v_hat,
+                                                     const FidelityOptions& options);
+
+// DequantizedCache + MeasureCacheFidelity.
 absl::StatusOr<FidelityMetrics> MeasureFidelity(const SyntheticLayer& data,
                                                 const LayerRotation& rotation,
                                                 const FidelityOptions& options);
