@@ -1,7 +1,11 @@
-// The calibration file reader the server uses for --calibration and
-// LoadCalibration(path|content). Returns null when this build has no reader
-// (kernels/calib's file format not linked); the server then accepts only the
-// data-free Hadamard rotation and says so.
+// The calibration reader the server uses for --calibration and
+// LoadCalibration(path|content):
+//   - an oscarkv calibration file (safetensors, kernels/calib/calibration_file.h);
+//   - "rotationzoo:DIR": a directory with the published RotationZoo pair
+//     k_rotation_*.pt and v_rotation_*.pt (needs the model layout, so only at
+//     start with --calibration).
+// Returns null when this build has no kernels/calib; the server then accepts
+// only the data-free Hadamard rotation and says so.
 #ifndef OSCARKV_SERVER_CALIBRATION_READER_H_
 #define OSCARKV_SERVER_CALIBRATION_READER_H_
 

@@ -110,7 +110,7 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
         return absl::FailedPreconditionError(
             "this build has no calibration file reader; drop --calibration");
       }
-      OSCARKV_ASSIGN_OR_RETURN(rotation, calibration_reader(calib->second, true));
+      OSCARKV_ASSIGN_OR_RETURN(rotation, calibration_reader(calib->second, true, &parsed.second));
       if (!(rotation.layout == parsed.second)) {
         return absl::InvalidArgumentError(absl::StrCat(
             "calibration ", calib->second, " is for layout ", rotation.layout.DebugString(),

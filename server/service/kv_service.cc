@@ -151,7 +151,8 @@ absl::Status KvCacheService::DoLoadCalibration(const v1::LoadCalibrationRequest&
       }
       const bool is_path = request.source_case() == v1::LoadCalibrationRequest::kPath;
       OSCARKV_ASSIGN_OR_RETURN(
-          rotation, ctx_.calibration_reader(is_path ? request.path() : request.content(), is_path));
+          rotation, ctx_.calibration_reader(is_path ? request.path() : request.content(), is_path,
+                                          nullptr));
       break;
     }
     default:

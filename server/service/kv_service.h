@@ -22,10 +22,11 @@
 
 namespace oscarkv {
 
-// Reads an oscarkv calibration file (path or contents) into a rotation.
-// Null: the server accepts only the data-free Hadamard source.
-using CalibrationReader =
-    std::function<absl::StatusOr<ModelRotation>(const std::string& path_or_bytes, bool is_path)>;
+// Reads an oscarkv calibration file (path or contents) into a rotation; when
+// `expected` is non-null the rotation must have that layout. Null reader: the
+// server accepts only the data-free Hadamard source.
+using CalibrationReader = std::function<absl::StatusOr<ModelRotation>(
+    const std::string& path_or_bytes, bool is_path, const ModelLayout* expected)>;
 
 struct ServiceContext {
   SequenceStore* store = nullptr;
