@@ -51,11 +51,17 @@ ServerMetrics::ServerMetrics(prometheus::Registry& r)
                   .Name("oscarkv_tokens")
                   .Help("Tokens of committed sequences by tier, summed over layers")
                   .Register(r)),
-      effective_bits_(BuildGauge()
-                          .Name("oscarkv_effective_bits_per_element")
-                          .Help("Stored bits per K/V element over committed sequences")
-                          .Register(r)
-                          .Add({})),
+      bytes_per_element_(BuildGauge()
+                             .Name("oscarkv_stored_bytes_per_element")
+                             .Help("Stored bytes per K/V element over committed sequences "
+                                   "(x8 = effective bits per element; BF16 is 2)")
+                             .Register(r)
+                             .Add({})),
+      compression_ratio_(BuildGauge()
+                             .Name("oscarkv_compression_ratio")
+                             .Help("BF16 bytes over stored bytes, committed sequences")
+                             .Register(r)
+                             .Add({})),
       sequences_(BuildGauge()
                      .Name("oscarkv_sequences")
                      .Help("Sequences by state (committed, ingesting)")
@@ -116,7 +122,9 @@ void ServerMetrics::Refresh(const StoreStats& s,
   tokens_.Add({{"tier", "sink"}}).Set(double(c.sink_tokens));
   tokens_.Add({{"tier", "history"}}).Set(double(c.history_tokens));
   tokens_.Add({{"tier", "recent"}}).Set(double(c.recent_tokens));
-  effective_bits_.Set(c.effective_bits());
+  const double bits = c.effective_bits();
+  bytes_per_element_.Set(bits / 8.0);
+  compression_ratio_.Set(bits > 0 ? 16.0 / bits : 0.0);
   sequences_.Add({{"state", "committed"}}).Set(double(s.sequences));
   sequences_.Add({{"state", "ingesting"}}).Set(double(s.ingesting));
   if (s.evictions > seen_evictions_) evictions_.Increment(double(s.evictions - seen_evictions_));

@@ -47,7 +47,8 @@ class ServerMetrics {
   prometheus::Family<prometheus::Gauge>& memory_bytes_;
   prometheus::Family<prometheus::Gauge>& pool_bytes_;
   prometheus::Family<prometheus::Gauge>& tokens_;
-  prometheus::Gauge& effective_bits_;
+  prometheus::Gauge& bytes_per_element_;
+  prometheus::Gauge& compression_ratio_;
   prometheus::Family<prometheus::Gauge>& sequences_;
   prometheus::Counter& evictions_;
   prometheus::Counter& demotions_;
