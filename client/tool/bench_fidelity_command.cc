@@ -18,6 +18,7 @@ constexpr char kUsage[] =
     "         [--calib-tokens 2048] [--tokens 4096] [--queries 16] [--trials 8] [--seed 1]\n"
     "         [--group-size 0] [--sink 64] [--recent 256] [--value-target proxy|exact]\n"
     "         [--calibration FILE] [--real-queries K.pt [--real-layer 0]] [--no-ablation]\n"
+    "         [--spec knob=value,...]   (SyntheticSpec fields, e.g. key_private_std=6)\n"
     "Calibrates on one synthetic draw per layer and measures, on --trials held-out draws,\n"
     "attention-output relative error vs BF16, logit RMS error, KL of attention weights,\n"
     "needle top-1 retention and effective bits, with and without sink/recent protection.\n"
@@ -34,7 +35,7 @@ int Fail(const absl::Status& s) {
 int RunBenchFidelity(int argc, char** argv) {
   Flags flags({"layers", "q-heads", "kv-heads", "head-dim", "calib-tokens", "tokens", "queries",
                "trials", "seed", "group-size", "sink", "recent", "value-target", "calibration",
-               "real-queries", "real-layer"},
+               "real-queries", "real-layer", "spec"},
               {"no-ablation", "help"});
   absl::Status st = flags.Parse(argc, argv);
   if (!st.ok() || flags.Switch("help")) {
@@ -67,6 +68,8 @@ int RunBenchFidelity(int argc, char** argv) {
     *f.out = *v;
   }
   o.spec.seed = uint64_t(seed);
+  st = SetSyntheticKnobs(&o.spec, flags.String("spec", ""));
+  if (!st.ok()) return Fail(st);
   o.calibration.group_size = o.fidelity.group_size;
   const std::string vt = flags.String("value-target", "proxy");
   if (vt != "proxy" && vt != "exact") {

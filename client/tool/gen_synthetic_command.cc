@@ -15,7 +15,7 @@ namespace {
 constexpr char kUsage[] =
     "usage: oscarkv gen-synthetic --out FILE [--layers 2] [--q-heads 32] [--kv-heads 8]\n"
     "         [--head-dim 128] [--tokens 2048] [--seed 1] [--sample-seed 0]\n"
-    "         [--dtype bf16|f16|f32]\n"
+    "         [--dtype bf16|f16|f32] [--spec knob=value,...]\n"
     "Writes an activation dump (layers.{i}.q [n,Hq,D], layers.{i}.k/v [n,Hkv,D]) drawn\n"
     "from the seeded synthetic KV model (outlier key channels, correlated queries,\n"
     "attention sink, needle). --seed fixes the distribution, --sample-seed the tokens.\n";
@@ -29,7 +29,7 @@ int Fail(const absl::Status& s) {
 
 int RunGenSynthetic(int argc, char** argv) {
   Flags flags({"out", "layers", "q-heads", "kv-heads", "head-dim", "tokens", "seed",
-               "sample-seed", "dtype"},
+               "sample-seed", "dtype", "spec"},
               {"help"});
   absl::Status st = flags.Parse(argc, argv);
   if (!st.ok() || flags.Switch("help") || !flags.Has("out")) {
@@ -59,6 +59,8 @@ int RunGenSynthetic(int argc, char** argv) {
   spec.seed = uint64_t(seed);
   spec.sample_seed = uint64_t(sample_seed);
   spec.num_queries = spec.tokens;
+  st = SetSyntheticKnobs(&spec, flags.String("spec", ""));
+  if (!st.ok()) return Fail(st);
   const std::string dtype_name = flags.String("dtype", "bf16");
   TensorDType dtype = dtype_name == "f32"   ? TensorDType::kF32
                       : dtype_name == "f16" ? TensorDType::kF16

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <numeric>
 
 #include "absl/strings/str_cat.h"
@@ -131,7 +132,10 @@ HeadModel BuildHeadModel(const SyntheticSpec& s, int layer, int head) {
   const int d = s.head_dim;
   SyntheticRng rng(StreamSeed(s.seed, layer, head, 0x5354525543ull));
   HeadModel m;
-  m.key_channels = PickChannels(rng, d, s.key_outlier_channels);
+  // Outlier channels are the same indices in every KV head of a layer (as the
+  // low-frequency RoPE dims are in real models); signs and the rest differ.
+  SyntheticRng layer_rng(StreamSeed(s.seed, layer, -2, 0x4348414eull));
+  m.key_channels = PickChannels(layer_rng, d, s.key_outlier_channels);
   for (size_t i = 0; i < m.key_channels.size(); ++i) {
     m.key_sign.push_back(rng.Uniform() < 0.5 ? -1.0f : 1.0f);
   }
@@ -140,6 +144,11 @@ HeadModel BuildHeadModel(const SyntheticSpec& s, int layer, int head) {
     std::vector<float> e(d, 0.0f);
     e[c] = 1.0f;
     basis.push_back(e);
+  }
+  // Key-only directions, shared by the layer's heads like a key bias would be.
+  for (int j = 0; j < s.key_private_rank; ++j) {
+    m.key_private.push_back(RandomOrthogonalDirection(layer_rng, d, basis));
+    basis.push_back(m.key_private.back());
   }
   if (s.query_basis.empty()) {
     for (int j = 0; j < s.latent_rank; ++j) {
@@ -167,10 +176,6 @@ HeadModel BuildHeadModel(const SyntheticSpec& s, int layer, int head) {
       basis.push_back(u);
       m.latent_query_std.push_back(0.0f);  // queries come from the full basis instead
     }
-  }
-  for (int j = 0; j < s.key_private_rank; ++j) {
-    m.key_private.push_back(RandomOrthogonalDirection(rng, d, basis));
-    basis.push_back(m.key_private.back());
   }
   const int g = s.num_q_heads / s.num_kv_heads;
   const int dirs = s.key_outlier_channels + s.latent_rank;
@@ -287,7 +292,7 @@ absl::StatusOr<SyntheticLayer> GenerateSyntheticLayer(const SyntheticSpec& s, in
         for (int j = 0; j < d; ++j) q[j] = q[j] * s.query_noise_std + mean_q[j];
         const auto& mult = m.q_head_mult[i];
         for (int c = 0; c < n_out; ++c) {
-          q[m.key_channels[c]] += qrng.Normal() * s.query_outlier_std * mult[c];
+          q[m.key_channels[c]] += qrng.Normal() * s.query_outlier_std * std::pow(s.query_decay, float(c)) * mult[c];
         }
         if (m.query_basis_scale.empty()) {
           for (size_t j = 0; j < m.latent.size(); ++j) {
@@ -395,6 +400,72 @@ absl::StatusOr<SyntheticLayer> GenerateSyntheticLayer(const SyntheticSpec& s, in
     }
   }
   return out;
+}
+
+absl::Status SetSyntheticKnob(SyntheticSpec* s, const std::string& name, const std::string& value) {
+  const struct {
+    const char* name;
+    float* f;
+    int* i;
+  } knobs[] = {
+      {"key_outlier_channels", nullptr, &s->key_outlier_channels},
+      {"key_outlier_mean", &s->key_outlier_mean, nullptr},
+      {"key_outlier_std", &s->key_outlier_std, nullptr},
+      {"latent_rank", nullptr, &s->latent_rank},
+      {"key_latent_std", &s->key_latent_std, nullptr},
+      {"key_noise_std", &s->key_noise_std, nullptr},
+      {"key_private_rank", nullptr, &s->key_private_rank},
+      {"key_private_std", &s->key_private_std, nullptr},
+      {"query_outlier_mean", &s->query_outlier_mean, nullptr},
+      {"query_outlier_std", &s->query_outlier_std, nullptr},
+      {"query_latent_std", &s->query_latent_std, nullptr},
+      {"query_decay", &s->query_decay, nullptr},
+      {"query_noise_std", &s->query_noise_std, nullptr},
+      {"value_outlier_channels", nullptr, &s->value_outlier_channels},
+      {"value_outlier_std", &s->value_outlier_std, nullptr},
+      {"value_latent_rank", nullptr, &s->value_latent_rank},
+      {"value_latent_std", &s->value_latent_std, nullptr},
+      {"value_noise_std", &s->value_noise_std, nullptr},
+      {"value_mean", &s->value_mean, nullptr},
+      {"sink_logit_boost", &s->sink_logit_boost, nullptr},
+      {"sink_value_scale", &s->sink_value_scale, nullptr},
+      {"needle_margin", &s->needle_margin, nullptr},
+  };
+  for (const auto& k : knobs) {
+    if (name != k.name) continue;
+    char* end = nullptr;
+    const double v = std::strtod(value.c_str(), &end);
+    if (value.empty() || end == nullptr || *end != '\0' || !std::isfinite(v)) {
+      return absl::InvalidArgumentError(absl::StrCat("synthetic knob ", name, ": \"", value,
+                                                     "\" is not a number"));
+    }
+    if (k.f != nullptr) {
+      *k.f = float(v);
+    } else {
+      if (v != std::floor(v) || v < 0 || v > 4096) {
+        return absl::InvalidArgumentError(absl::StrCat("synthetic knob ", name, " needs a small integer"));
+      }
+      *k.i = int(v);
+    }
+    return absl::OkStatus();
+  }
+  return absl::InvalidArgumentError(absl::StrCat("unknown synthetic knob \"", name, "\""));
+}
+
+absl::Status SetSyntheticKnobs(SyntheticSpec* spec, const std::string& assignments) {
+  size_t pos = 0;
+  while (pos < assignments.size()) {
+    size_t comma = assignments.find(',', pos);
+    if (comma == std::string::npos) comma = assignments.size();
+    const std::string item = assignments.substr(pos, comma - pos);
+    const size_t eq = item.find('=');
+    if (eq == std::string::npos) {
+      return absl::InvalidArgumentError(absl::StrCat("synthetic knob \"", item, "\": want name=value"));
+    }
+    OSCARKV_RETURN_IF_ERROR(SetSyntheticKnob(spec, item.substr(0, eq), item.substr(eq + 1)));
+    pos = comma + 1;
+  }
+  return absl::OkStatus();
 }
 
 absl::StatusOr<std::vector<double>> QueryBasisFromRotation(const std::vector<float>& rotation,

@@ -18,6 +18,7 @@
 #define OSCARKV_KERNELS_CALIB_SYNTHETIC_H_
 
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -35,7 +36,7 @@ struct SyntheticSpec {
   uint64_t sample_seed = 0;  // which tokens / queries are drawn from it
 
   // Keys: mean + outlier channels + low-rank subspace + isotropic noise.
-  int key_outlier_channels = 4;     // channels with large magnitude, per KV head
+  int key_outlier_channels = 4;     // channels with large magnitude (same in all heads of a layer)
   float key_outlier_mean = 6.0f;    // |mean| of an outlier channel (sign random per channel)
   float key_outlier_std = 3.0f;     // std of an outlier channel
   int latent_rank = 8;              // dims of the shared key/query subspace beyond the outliers
@@ -45,7 +46,7 @@ struct SyntheticSpec {
   // keys' own covariance KᵀK ranks them first while the query covariance does
   // not: the DESIGN section 3 ablation).
   int key_private_rank = 2;
-  float key_private_std = 3.0f;
+  float key_private_std = 6.0f;
   // Queries: mean along the outlier channels, strong variance on the subspace.
   float query_outlier_mean = 1.0f;  // mean query along each outlier channel (sign matches keys)
   float query_outlier_std = 3.0f;
@@ -54,11 +55,11 @@ struct SyntheticSpec {
   float query_noise_std = 0.3f;
   // Values: milder outliers, a small subspace, noise.
   int value_outlier_channels = 2;
-  float value_outlier_std = 3.0f;
+  float value_outlier_std = 4.0f;
   int value_latent_rank = 4;
   float value_latent_std = 2.0f;
   float value_noise_std = 0.3f;
-  float value_mean = 2.0f;          // |mean| along one random value direction
+  float value_mean = 4.0f;          // |mean| along one random value direction
   // Token 0 is an attention sink: the mean query's logit on it is this much
   // (scaled logit units, q·k/sqrt(D)) above the mean logit of other tokens.
   float sink_logit_boost = 6.0f;
@@ -93,6 +94,13 @@ absl::Status ValidateSyntheticSpec(const SyntheticSpec& spec);
 
 // Generates one layer. Fails only on an invalid spec.
 absl::StatusOr<SyntheticLayer> GenerateSyntheticLayer(const SyntheticSpec& spec, int layer);
+
+// Sets one numeric knob of `spec` by its field name (e.g. "key_private_std",
+// "needle_margin", "latent_rank"), for command-line overrides. InvalidArgument
+// for an unknown name or a value that does not parse.
+absl::Status SetSyntheticKnob(SyntheticSpec* spec, const std::string& name, const std::string& value);
+// "name=value,name=value".
+absl::Status SetSyntheticKnobs(SyntheticSpec* spec, const std::string& assignments);
 
 // Recovers the query eigenbasis from an OSCAR rotation R = U·H·P_br:
 // U = R · P_brᵀ · H, where P_br is built from `eigenvalues` (in U's column
