@@ -12,7 +12,7 @@ namespace oscarkv {
 namespace cuda_attend {
 namespace {
 
-constexpr int kPrepThreads = 256;
+constexpr int kPrepThreads = 512;
 constexpr float kLn2 = 0.69314718055994531f;
 
 // Per (item, kv head): rotated, scaled query q' = q·R_K·scale·log2e of each
@@ -23,23 +23,54 @@ constexpr float kLn2 = 0.69314718055994531f;
 template <int D, bool G8>
 __global__ void __launch_bounds__(kPrepThreads) PrepKernel(LaunchArgs a) {
   constexpr int NT = G8 ? 2 : 1, KS = D / 16;
+  constexpr int kSlices = kPrepThreads / D;  // the i-range of q·R split over thread slices
   __shared__ float qs[8][D];
+  __shared__ float qin[8][D];
+  __shared__ float red[kSlices][8][D];
   __shared__ float inv_s[8];
   const int item_idx = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
   const ItemPlan& item = a.items[item_idx];
   const int g = a.g;
   const bool has_history = item.num_pages > 0;
-  const float* rk = has_history ? item.rotation.r_k + item.rotation.stride * h : nullptr;
   for (int idx = tid; idx < g * D; idx += kPrepThreads) {
     const int hh = idx / D, d = idx % D;
     const int qh = h * g + hh;
-    const float* q = item.q + size_t(qh) * D;
-    float s = 0.0f;
+    const float x = item.q[size_t(qh) * D + d];
+    qin[hh][d] = x;
+    a.qexact[(size_t(item_idx) * a.hq + qh) * D + d] = x * a.scale_log2;
+  }
+  __syncthreads();
+  {
+    // Thread (slice, d): partial q·R over rows i of its slice, for every head.
+    const int d = tid % D, slice = tid / D;
+    constexpr int kRows = D / kSlices;
+    float acc[8];
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) acc[hh] = 0.0f;
     if (has_history) {
-      for (int i = 0; i < D; ++i) s = fmaf(q[i], rk[size_t(i) * D + d], s);
+      const float* rk = item.rotation.r_k + item.rotation.stride * h;
+#pragma unroll 16
+      for (int ii = 0; ii < kRows; ++ii) {
+        const int i = slice * kRows + ii;
+        const float rv = __ldg(rk + size_t(i) * D + d);
+#pragma unroll
+        for (int hh = 0; hh < 8; ++hh) {
+          if (hh < g) acc[hh] = fmaf(qin[hh][i], rv, acc[hh]);
+        }
+      }
     }
+#pragma unroll
+    for (int hh = 0; hh < 8; ++hh) {
+      if (hh < g) red[slice][hh][d] = acc[hh];
+    }
+  }
+  __syncthreads();
+  for (int idx = tid; idx < g * D; idx += kPrepThreads) {
+    const int hh = idx / D, d = idx % D;
+    float s = 0.0f;
+#pragma unroll
+    for (int sl = 0; sl < kSlices; ++sl) s += red[sl][hh][d];
     qs[hh][d] = s * a.scale_log2;
-    a.qexact[(size_t(item_idx) * a.hq + qh) * D + d] = q[d] * a.scale_log2;
   }
   __syncthreads();
   const int warp = tid >> 5, lane = tid & 31;
@@ -203,17 +234,34 @@ __device__ float CombinePartials(const LaunchArgs& a, int first, int count, int 
   float m = -INFINITY, l = 0.0f, acc[EL];
 #pragma unroll
   for (int e = 0; e < EL; ++e) acc[e] = 0.0f;
-  for (int s = warp; s < count; s += kWarps) {
-    const float* p = a.partials + size_t(first + s) * PartialFloats(g, D);
-    const float pm = p[g * D + hh];
-    if (pm == -INFINITY) continue;
-    const float pl = p[g * D + g + hh];
-    const float mn = fmaxf(m, pm);
-    const float f1 = exp2f(m - mn), f2 = exp2f(pm - mn);
-    l = l * f1 + pl * f2;
+  constexpr int kBatch = 4;  // partials loaded before they are combined
+  for (int s0 = warp; s0 < count; s0 += kBatch * kWarps) {
+    float pm[kBatch], pl[kBatch], pa[kBatch][EL];
 #pragma unroll
-    for (int e = 0; e < EL; ++e) acc[e] = acc[e] * f1 + p[hh * D + lane + 32 * e] * f2;
-    m = mn;
+    for (int u = 0; u < kBatch; ++u) {
+      const int s = s0 + u * kWarps;
+      pm[u] = -INFINITY;
+      pl[u] = 0.0f;
+#pragma unroll
+      for (int e = 0; e < EL; ++e) pa[u][e] = 0.0f;
+      if (s < count) {
+        const float* p = a.partials + size_t(first + s) * PartialFloats(g, D);
+        pm[u] = p[g * D + hh];
+        pl[u] = p[g * D + g + hh];
+#pragma unroll
+        for (int e = 0; e < EL; ++e) pa[u][e] = p[hh * D + lane + 32 * e];
+      }
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      if (pm[u] == -INFINITY) continue;
+      const float mn = fmaxf(m, pm[u]);
+      const float f1 = exp2f(m - mn), f2 = exp2f(pm[u] - mn);
+      l = l * f1 + pl[u] * f2;
+#pragma unroll
+      for (int e = 0; e < EL; ++e) acc[e] = acc[e] * f1 + pa[u][e] * f2;
+      m = mn;
+    }
   }
 #pragma unroll
   for (int e = 0; e < EL; ++e) sm_a[warp][lane + 32 * e] = acc[e];
@@ -256,6 +304,7 @@ __global__ void __launch_bounds__(kThreads) MergeKernel(LaunchArgs a) {
                                           item.hist_splits, hh, o_rot, sm_a, sm_m, sm_l);
   if (lse_h2 != -INFINITY) {
     const float* rv = item.rotation.r_v + item.rotation.stride * h;
+#pragma unroll 8
     for (int j = warp; j < D; j += kWarps) {
       float s = 0.0f;
 #pragma unroll

@@ -1,0 +1,292 @@
+// GPU codec vs the CPU backend: EncodePages codes and params, DecodePages.
+// Inputs are random BF16 rows with outlier channels, random dense orthogonal
+// rotations, several head dims, group sizes, page sizes and clip ratios.
+//
+// Stated tolerance: the GPU rotates with split-bf16 tensor-core products (fp32
+// accuracy, another summation order than the CPU), so a code whose value sits
+// on a rounding boundary may flip; we require fewer than 1e-3 of all codes and
+// of all (scale, min) params to differ, and print the measured fractions.
+// Decode uses the CPU's summation order: at most 1e-3 of BF16 outputs may
+// differ, each by at most one BF16 ulp.
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/quantize.h"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace oscarkv {
+namespace {
+
+using gputest::Download;
+using gputest::RandomKvRows;
+using gputest::RandomOrthogonal;
+using gputest::Upload;
+
+class CudaCodecTest : public ::testing::Test {
+ protected:
+  static void SetUpTestSuite() {
+    if (CudaDeviceCount() == 0) return;
+    auto b = CreateCudaBackend(0);
+    ASSERT_TRUE(b.ok()) << b.status();
+    gpu_ = b->release();
+  }
+  static void TearDownTestSuite() {
+    delete gpu_;
+    gpu_ = nullptr;
+  }
+  void SetUp() override {
+    if (gpu_ == nullptr) GTEST_SKIP() << "no CUDA device";
+  }
+  static Backend* gpu_;
+};
+Backend* CudaCodecTest::gpu_ = nullptr;
+
+struct CodecCase {
+  int heads, dim, group, page_tokens, jobs;
+  float clip_k, clip_v;
+  bool per_head;
+};
+
+struct Counts {
+  size_t codes = 0, code_flips = 0, params = 0, param_diffs = 0;
+};
+
+// Encodes `c.jobs` random blocks on both backends; returns the mismatch counts
+// and leaves the pages (CPU and GPU) for the decode checks.
+void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
+               std::vector<uint8_t>* cpu_pages_out, DeviceBuffer* gpu_pages_out,
+               std::vector<float>* rot_out, DeviceBuffer* rot_dev_out) {
+  std::mt19937_64 rng(seed);
+  const PageGeometry geom{c.heads, c.dim, c.group, c.page_tokens};
+  const size_t block_elems = geom.exact_block_bytes() / 2;
+  const size_t page_bytes = geom.page_bytes();
+  std::vector<bf16_bits> blocks = RandomKvRows(block_elems * c.jobs / c.dim, c.dim, rng);
+  // Two rotation sets (jobs alternate between them); per-head: one matrix per head.
+  const int mats = c.per_head ? c.heads : 1;
+  const size_t set_floats = size_t(mats) * c.dim * c.dim;
+  std::vector<float> rot(4 * set_floats);
+  for (int s = 0; s < 4 * mats; ++s) {
+    auto r = RandomOrthogonal(c.dim, rng);
+    std::memcpy(&rot[size_t(s) * c.dim * c.dim], r.data(), r.size() * 4);
+  }
+  // Layout: set 0 K, set 0 V, set 1 K, set 1 V.
+  auto blocks_dev = Upload(gpu, blocks);
+  ASSERT_TRUE(blocks_dev.ok()) << blocks_dev.status();
+  auto rot_dev = Upload(gpu, rot);
+  ASSERT_TRUE(rot_dev.ok()) << rot_dev.status();
+  auto pages_dev = gpu.Allocate(page_bytes * c.jobs);
+  ASSERT_TRUE(pages_dev.ok());
+  std::vector<uint8_t> cpu_pages(page_bytes * c.jobs, 0);
+
+  std::vector<EncodeJob> cpu_jobs(c.jobs), gpu_jobs(c.jobs);
+  for (int j = 0; j < c.jobs; ++j) {
+    const int set = j % 2;
+    const size_t rk = 2 * set * set_floats, rv = (2 * set + 1) * set_floats;
+    const size_t stride = c.per_head ? size_t(c.dim) * c.dim : 0;
+    cpu_jobs[j] = EncodeJob{blocks.data() + j * block_elems, cpu_pages.data() + j * page_bytes,
+                            RotationRef{rot.data() + rk, rot.data() + rv, stride}, c.clip_k,
+                            c.clip_v};
+    const float* rd = rot_dev->as<float>();
+    gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + j * block_elems,
+                            pages_dev->as<uint8_t>() + j * page_bytes,
+                            RotationRef{rd + rk, rd + rv, stride}, c.clip_k, c.clip_v};
+  }
+  // Poison the GPU pages: every byte must be written.
+  std::vector<uint8_t> poison(page_bytes * c.jobs, 0xA5);
+  ASSERT_TRUE(gpu.CopyToDevice(pages_dev->data(), poison.data(), poison.size()).ok());
+
+  CpuBackend cpu(2);
+  ASSERT_TRUE(cpu.EncodePages(geom, cpu_jobs.data(), c.jobs).ok());
+  ASSERT_TRUE(gpu.EncodePages(geom, gpu_jobs.data(), c.jobs).ok());
+  auto got = Download<uint8_t>(gpu, pages_dev->data(), page_bytes * c.jobs);
+  ASSERT_TRUE(got.ok());
+
+  for (int j = 0; j < c.jobs; ++j) {
+    for (int h = 0; h < c.heads; ++h) {
+      for (int kind = 0; kind < 2; ++kind) {
+        const size_t co = j * page_bytes + geom.codes_offset(h, kind);
+        const size_t po = j * page_bytes + geom.params_offset(h, kind);
+        for (int t = 0; t < c.page_tokens; ++t) {
+          uint8_t qa[256], qb[256];
+          UnpackRow(&cpu_pages[co + t * geom.code_row_bytes()], c.dim, qa);
+          UnpackRow(&(*got)[co + t * geom.code_row_bytes()], c.dim, qb);
+          for (int e = 0; e < c.dim; ++e) counts->code_flips += qa[e] != qb[e];
+          counts->codes += c.dim;
+          for (int gi = 0; gi < geom.groups(); ++gi) {
+            const size_t o = po + (size_t(t) * geom.groups() + gi) * 4;
+            counts->param_diffs += std::memcmp(&cpu_pages[o], &(*got)[o], 4) != 0;
+            counts->params += 1;
+          }
+        }
+      }
+    }
+  }
+  *cpu_pages_out = std::move(cpu_pages);
+  *gpu_pages_out = std::move(pages_dev).value();
+  *rot_out = std::move(rot);
+  *rot_dev_out = std::move(rot_dev).value();
+}
+
+const CodecCase kCases[] = {
+    {4, 128, 128, 32, 24, 0.96f, 0.92f, false}, {2, 128, 32, 32, 12, 0.96f, 0.92f, true},
+    {3, 128, 16, 5, 9, 1.0f, 1.0f, false},      {2, 64, 64, 32, 10, 0.96f, 0.92f, false},
+    {2, 64, 4, 7, 6, 0.9f, 0.5f, false},        {2, 256, 256, 32, 8, 0.96f, 0.92f, true},
+    {1, 256, 64, 16, 5, 1.0f, 0.92f, false},    {8, 128, 128, 32, 70, 0.96f, 0.92f, false},
+};
+
+TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
+  Counts total;
+  uint64_t seed = 1;
+  for (const CodecCase& c : kCases) {
+    SCOPED_TRACE(testing::Message() << "H=" << c.heads << " D=" << c.dim << " G=" << c.group
+                                    << " P=" << c.page_tokens << " clip=" << c.clip_k);
+    Counts k;
+    std::vector<uint8_t> cpu_pages;
+    DeviceBuffer gpu_pages, rot_dev;
+    std::vector<float> rot;
+    RunEncode(*gpu_, c, seed++, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev);
+    EXPECT_LT(double(k.code_flips), 1e-3 * k.codes + 0.5);
+    EXPECT_LT(double(k.param_diffs), 1e-3 * k.params + 0.5);
+    total.codes += k.codes;
+    total.code_flips += k.code_flips;
+    total.params += k.params;
+    total.param_diffs += k.param_diffs;
+  }
+  std::printf("encode: %zu of %zu codes flipped (%.2e), %zu of %zu params differ (%.2e)\n",
+              total.code_flips, total.codes, double(total.code_flips) / total.codes,
+              total.param_diffs, total.params, double(total.param_diffs) / total.params);
+  RecordProperty("code_flip_fraction", std::to_string(double(total.code_flips) / total.codes));
+}
+
+TEST_F(CudaCodecTest, DecodeMatchesCpuBackendOnTheSamePages) {
+  size_t outputs = 0, diffs = 0;
+  int max_ulp = 0;
+  uint64_t seed = 100;
+  for (const CodecCase& c : kCases) {
+    SCOPED_TRACE(testing::Message() << "D=" << c.dim << " G=" << c.group);
+    Counts k;
+    std::vector<uint8_t> cpu_pages;
+    DeviceBuffer gpu_pages, rot_dev;
+    std::vector<float> rot;
+    RunEncode(*gpu_, c, seed++, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev);
+    const PageGeometry geom{c.heads, c.dim, c.group, c.page_tokens};
+    // Decode the CPU's pages on both backends.
+    auto src_dev = Upload(*gpu_, cpu_pages);
+    ASSERT_TRUE(src_dev.ok());
+    const size_t block_elems = geom.exact_block_bytes() / 2;
+    auto dst_dev = gpu_->Allocate(block_elems * 2 * c.jobs);
+    ASSERT_TRUE(dst_dev.ok());
+    std::vector<bf16_bits> poison(block_elems * c.jobs, 0x7fc1);
+    ASSERT_TRUE(gpu_->CopyToDevice(dst_dev->data(), poison.data(), poison.size() * 2).ok());
+    std::vector<bf16_bits> cpu_out(block_elems * c.jobs, 0);
+    const int mats = c.per_head ? c.heads : 1;
+    const size_t set_floats = size_t(mats) * c.dim * c.dim;
+    const size_t stride = c.per_head ? size_t(c.dim) * c.dim : 0;
+    std::vector<DecodeJob> cj(c.jobs), gj(c.jobs);
+    for (int j = 0; j < c.jobs; ++j) {
+      const int set = j % 2;
+      const size_t rk = 2 * set * set_floats, rv = (2 * set + 1) * set_floats;
+      cj[j] = DecodeJob{cpu_pages.data() + j * geom.page_bytes(), cpu_out.data() + j * block_elems,
+                        RotationRef{rot.data() + rk, rot.data() + rv, stride}};
+      const float* rd = rot_dev.as<float>();
+      gj[j] = DecodeJob{src_dev->as<uint8_t>() + j * geom.page_bytes(),
+                        dst_dev->as<bf16_bits>() + j * block_elems,
+                        RotationRef{rd + rk, rd + rv, stride}};
+    }
+    CpuBackend cpu(2);
+    ASSERT_TRUE(cpu.DecodePages(geom, cj.data(), c.jobs).ok());
+    ASSERT_TRUE(gpu_->DecodePages(geom, gj.data(), c.jobs).ok());
+    auto got = Download<bf16_bits>(*gpu_, dst_dev->data(), block_elems * c.jobs);
+    ASSERT_TRUE(got.ok());
+    for (size_t i = 0; i < cpu_out.size(); ++i) {
+      const int ulp = std::abs(int(int16_t(cpu_out[i])) - int(int16_t((*got)[i])));
+      diffs += ulp != 0;
+      max_ulp = std::max(max_ulp, ulp);
+    }
+    outputs += cpu_out.size();
+  }
+  std::printf("decode: %zu of %zu bf16 outputs differ (%.2e), max %d ulp\n", diffs, outputs,
+              double(diffs) / outputs, max_ulp);
+  EXPECT_LE(max_ulp, 1);
+  EXPECT_LT(double(diffs), 1e-3 * outputs + 0.5);
+}
+
+TEST_F(CudaCodecTest, GpuRoundTripStaysWithinTheQuantizationError) {
+  // Encode on the GPU, decode on the GPU: the reconstruction error of each row
+  // must match the CPU round trip's (same codec) within 2%, on average.
+  const CodecCase c{4, 128, 128, 32, 16, 0.96f, 0.92f, false};
+  Counts k;
+  std::vector<uint8_t> cpu_pages;
+  DeviceBuffer gpu_pages, rot_dev;
+  std::vector<float> rot;
+  std::mt19937_64 rng(7);
+  RunEncode(*gpu_, c, 7, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev);
+  const PageGeometry geom{c.heads, c.dim, c.group, c.page_tokens};
+  const size_t block_elems = geom.exact_block_bytes() / 2;
+  // Regenerate the same blocks RunEncode drew (same seed, same order).
+  std::mt19937_64 rng2(7);
+  std::vector<bf16_bits> blocks = RandomKvRows(block_elems * c.jobs / c.dim, c.dim, rng2);
+  auto dst_dev = gpu_->Allocate(block_elems * 2 * c.jobs);
+  ASSERT_TRUE(dst_dev.ok());
+  const size_t set_floats = size_t(c.dim) * c.dim;
+  std::vector<DecodeJob> gj(c.jobs), cj(c.jobs);
+  std::vector<bf16_bits> cpu_out(block_elems * c.jobs);
+  for (int j = 0; j < c.jobs; ++j) {
+    const int set = j % 2;
+    const size_t rk = 2 * set * set_floats, rv = (2 * set + 1) * set_floats;
+    const float* rd = rot_dev.as<float>();
+    gj[j] = DecodeJob{gpu_pages.as<uint8_t>() + j * geom.page_bytes(),
+                      dst_dev->as<bf16_bits>() + j * block_elems, RotationRef{rd + rk, rd + rv, 0}};
+    cj[j] = DecodeJob{cpu_pages.data() + j * geom.page_bytes(), cpu_out.data() + j * block_elems,
+                      RotationRef{rot.data() + rk, rot.data() + rv, 0}};
+  }
+  ASSERT_TRUE(gpu_->DecodePages(geom, gj.data(), c.jobs).ok());
+  CpuBackend cpu(2);
+  ASSERT_TRUE(cpu.DecodePages(geom, cj.data(), c.jobs).ok());
+  auto got = Download<bf16_bits>(*gpu_, dst_dev->data(), block_elems * c.jobs);
+  ASSERT_TRUE(got.ok());
+  double err_gpu = 0, err_cpu = 0, norm = 0;
+  for (size_t i = 0; i < blocks.size(); ++i) {
+    const double x = Bf16ToFloat(blocks[i]);
+    err_gpu += std::pow(Bf16ToFloat((*got)[i]) - x, 2);
+    err_cpu += std::pow(Bf16ToFloat(cpu_out[i]) - x, 2);
+    norm += x * x;
+  }
+  const double rg = std::sqrt(err_gpu / norm), rc = std::sqrt(err_cpu / norm);
+  std::printf("round trip relative error: gpu %.4f cpu %.4f\n", rg, rc);
+  EXPECT_GT(rc, 0.01);  // a 2-bit codec cannot be exact: guards against comparing x with x
+  EXPECT_NEAR(rg, rc, 0.02 * rc);
+}
+
+TEST_F(CudaCodecTest, BadJobsAreRefusedWithAClearStatus) {
+  const PageGeometry geom{2, 128, 128, 32};
+  EncodeJob job;
+  auto st = gpu_->EncodePages(geom, &job, 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  st = gpu_->EncodePages(PageGeometry{2, 96, 32, 32}, &job, 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  DecodeJob dj;
+  st = gpu_->DecodePages(geom, &dj, 1);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_TRUE(gpu_->EncodePages(geom, nullptr, 0).ok());
+}
+
+TEST(CudaBackendFactory, ReportsUnavailableWithoutADeviceAndRangeErrorsOtherwise) {
+  auto b = CreateCudaBackend(0);
+  if (CudaDeviceCount() == 0) {
+    EXPECT_EQ(b.status().code(), absl::StatusCode::kUnavailable) << b.status();
+  } else {
+    ASSERT_TRUE(b.ok()) << b.status();
+    EXPECT_EQ((*b)->name(), "cuda");
+    auto bad = CreateCudaBackend(CudaDeviceCount());
+    EXPECT_EQ(bad.status().code(), absl::StatusCode::kInvalidArgument);
+  }
+}
+
+}  // namespace
+}  // namespace oscarkv

@@ -1,0 +1,315 @@
+// GPU benchmark: one layer of decode attention over the compressed paged
+// cache (32 q / 8 kv heads, D = 128, G = 128, P = 32, S0 = 64, W = 256) at
+// B=1 8K/32K/64K/128K and B=8 32K/64K, plus the encode kernel's throughput
+// and the device-to-device copy bandwidth, in one run. With --baseline, reads
+// the PyTorch cuDNN SDPA timings (sdpa_baseline.py, same shapes, same run)
+// and prints ratios.
+//
+// Timing: CUDA events around each launch after warm-up, medians; the cache is
+// rotated over several page sets so that L2 never holds it; inputs are random.
+//
+//   oscarkv_gpu_bench [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/attend_kernels.h"
+#include "kernels/cuda/codec_kernels.h"
+#include "kernels/cuda/cuda_backend.h"
+#include "kernels/hadamard.h"
+#include "nlohmann/json.hpp"
+#include "tests/gpu/gpu_test_util.h"
+
+namespace oscarkv {
+namespace {
+
+#define CK(x)                                                                          \
+  do {                                                                                 \
+    cudaError_t e_ = (x);                                                              \
+    if (e_ != cudaSuccess) {                                                           \
+      std::fprintf(stderr, "%s:%d %s: %s\n", __FILE__, __LINE__, #x, cudaGetErrorString(e_)); \
+      std::exit(3);                                                                    \
+    }                                                                                  \
+  } while (0)
+#define CKS(x)                                                                    \
+  do {                                                                            \
+    absl::Status s_ = (x);                                                        \
+    if (!s_.ok()) {                                                               \
+      std::fprintf(stderr, "%s:%d %s\n", __FILE__, __LINE__, s_.ToString().c_str()); \
+      std::exit(3);                                                               \
+    }                                                                             \
+  } while (0)
+
+double Median(std::vector<double> v) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0.0 : v[v.size() / 2];
+}
+
+// Median of per-call event timings of fn(i), in microseconds.
+template <typename Fn>
+double TimeEvents(cudaStream_t s, int warmup, int iters, Fn&& fn) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) CK(cudaEventCreate(&e));
+  for (int i = 0; i < iters; ++i) {
+    CK(cudaEventRecord(ev[2 * i], s));
+    fn(i);
+    CK(cudaEventRecord(ev[2 * i + 1], s));
+  }
+  CK(cudaStreamSynchronize(s));
+  std::vector<double> t(iters);
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    t[i] = ms * 1000.0;
+  }
+  for (auto& e : ev) CK(cudaEventDestroy(e));
+  return Median(t);
+}
+
+// Fast deterministic random BF16 (uniform +-2, every 37th channel x8).
+std::vector<bf16_bits> RandomBf16(size_t n, int d, uint64_t seed) {
+  std::vector<bf16_bits> x(n);
+  uint64_t s = seed * 0x9E3779B97F4A7C15ull + 1;
+  for (size_t i = 0; i < n; ++i) {
+    s ^= s << 13;
+    s ^= s >> 7;
+    s ^= s << 17;
+    const float u = float(s >> 40) / float(1ull << 24) * 4.0f - 2.0f;
+    x[i] = FloatToBf16((i % d) % 37 == 3 ? 8.0f * u : u);
+  }
+  return x;
+}
+
+struct Shape {
+  int batch, tokens;
+};
+
+int Main(int argc, char** argv) {
+  std::string baseline_path, json_path, only;
+  int iters = 200;
+  for (int i = 1; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a == "--baseline" && i + 1 < argc) baseline_path = argv[++i];
+    else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
+    else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
+    else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else {
+      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]\n", argv[0]);
+      return 2;
+    }
+  }
+  auto backend_or = CreateCudaBackend(0);
+  if (!backend_or.ok()) {
+    std::fprintf(stderr, "no CUDA backend: %s\n", backend_or.status().ToString().c_str());
+    return 2;
+  }
+  Backend& backend = **backend_or;
+  std::printf("device: %s\n", backend.description().c_str());
+  cudaStream_t stream;
+  CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  nlohmann::json out;
+  out["device"] = backend.description();
+
+  // 1. Copy bandwidth (bytes read + written).
+  const size_t copy_bytes = size_t(1) << 30;
+  void *ca, *cb;
+  CK(cudaMalloc(&ca, copy_bytes));
+  CK(cudaMalloc(&cb, copy_bytes));
+  CK(cudaMemset(ca, 1, copy_bytes));
+  const double copy_us = TimeEvents(stream, 3, 20, [&](int) {
+    CK(cudaMemcpyAsync(cb, ca, copy_bytes, cudaMemcpyDeviceToDevice, stream));
+  });
+  CK(cudaFree(ca));
+  CK(cudaFree(cb));
+  const double copy_gbs = 2.0 * copy_bytes / copy_us / 1e3;
+  std::printf("copy bandwidth (read+write): %.0f GB/s\n", copy_gbs);
+  out["copy_gbs"] = copy_gbs;
+
+  // 2. Encode throughput: 2048 random 32-token blocks (8 heads, D 128).
+  const PageGeometry geom{8, 128, 128, 32};
+  const int kBlocks = 2048;
+  const size_t block_elems = geom.exact_block_bytes() / 2;
+  auto blocks_host = RandomBf16(block_elems * kBlocks, 128, 1);
+  auto blocks = gputest::Upload(backend, blocks_host);
+  CKS(blocks.status());
+  const auto h64 = HadamardMatrix(128);
+  std::vector<float> rot(2 * 128 * 128);
+  for (size_t i = 0; i < h64.size(); ++i) rot[i] = rot[i + h64.size()] = float(h64[i]);
+  auto rot_dev = gputest::Upload(backend, rot);
+  CKS(rot_dev.status());
+  const RotationRef rref{rot_dev->as<float>(), rot_dev->as<float>() + 128 * 128, 0};
+  const int kPool = 40960;
+  auto pool = backend.Allocate(size_t(kPool) * geom.page_bytes());
+  CKS(pool.status());
+  std::vector<EncodeJob> jobs(kBlocks);
+  for (int j = 0; j < kBlocks; ++j) {
+    jobs[j] = EncodeJob{blocks->as<bf16_bits>() + j * block_elems,
+                        pool->as<uint8_t>() + size_t(j) * geom.page_bytes(), rref, 0.96f, 0.92f};
+  }
+  EncodeJob* jobs_dev;
+  CK(cudaMalloc(&jobs_dev, sizeof(EncodeJob) * kBlocks));
+  CK(cudaMemcpy(jobs_dev, jobs.data(), sizeof(EncodeJob) * kBlocks, cudaMemcpyHostToDevice));
+  const double enc_us = TimeEvents(stream, 2, 20, [&](int) {
+    CKS(LaunchEncodePages(geom, jobs_dev, kBlocks, stream));
+  });
+  const double enc_bytes = double(kBlocks) * (geom.exact_block_bytes() + geom.page_bytes());
+  const double enc_gbs = enc_bytes / enc_us / 1e3;
+  auto t0 = std::chrono::steady_clock::now();
+  CKS(backend.EncodePages(geom, jobs.data(), 64));
+  const double enc_call_us =
+      std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - t0).count();
+  std::printf("encode: %d pages (%.0f MB in + out) in %.1f us: %.0f GB/s = %.0f%% of copy, "
+              "%.2f Gtokens/s (all heads); Backend::EncodePages(64 pages) call %.0f us\n",
+              kBlocks, enc_bytes / 1e6, enc_us, enc_gbs, 100.0 * enc_gbs / copy_gbs,
+              kBlocks * 32 / enc_us / 1e3, enc_call_us);
+  out["encode"] = {{"pages", kBlocks}, {"us", enc_us}, {"gbs", enc_gbs},
+                   {"pct_copy", 100.0 * enc_gbs / copy_gbs}, {"call_64_pages_us", enc_call_us}};
+  CK(cudaFree(jobs_dev));
+  // Fill the pool by replicating the encoded pages.
+  for (int p = kBlocks; p < kPool; p += kBlocks) {
+    CK(cudaMemcpy(pool->as<uint8_t>() + size_t(p) * geom.page_bytes(), pool->data(),
+                  size_t(std::min(kBlocks, kPool - p)) * geom.page_bytes(),
+                  cudaMemcpyDeviceToDevice));
+  }
+
+  nlohmann::json baseline;
+  if (!baseline_path.empty()) {
+    std::ifstream f(baseline_path);
+    if (f) baseline = nlohmann::json::parse(f, nullptr, false);
+  }
+
+  // 3. Attention.
+  const int Hq = 32, D = 128, kExactBlocks = 320;
+  const float scale = 1.0f / std::sqrt(float(D));
+  const std::vector<Shape> shapes = {{1, 8192}, {1, 32768}, {1, 65536}, {1, 131072},
+                                     {8, 32768}, {8, 65536}};
+  std::printf("\n%-10s %9s %9s %9s %9s %8s %8s %9s %7s %6s\n", "shape", "ours_us", "graph_us",
+              "call_us", "sdpa_us", "speedup", "MB", "GB/s", "%copy", "sets");
+  nlohmann::json rows = nlohmann::json::array();
+  for (const Shape& sh : shapes) {
+    if (!only.empty() && only != "B" + std::to_string(sh.batch) + "_S" + std::to_string(sh.tokens)) {
+      continue;
+    }
+    const auto tiers = gputest::SplitTiers(sh.tokens, 64, 256, 32);
+    const int npages = tiers.pages;
+    const int nexact = (tiers.sink + 31) / 32 + (tiers.recent + 31) / 32;
+    const int sets = std::max(2, std::min(16, kPool / (sh.batch * npages)));
+    std::vector<std::unique_ptr<AttendLauncher>> launchers;
+    std::vector<std::vector<std::vector<const uint8_t*>>> tables(sets);
+    std::vector<std::vector<std::vector<ExactBlockRef>>> exacts(sets);
+    auto q = gputest::Upload(backend, std::vector<float>(size_t(sh.batch) * Hq * D, 0.0f));
+    CKS(q.status());
+    {
+      std::vector<float> qh(size_t(sh.batch) * Hq * D);
+      uint64_t s = 12345;
+      for (auto& x : qh) {
+        s = s * 6364136223846793005ull + 1442695040888963407ull;
+        x = (float(s >> 40) / float(1ull << 24) - 0.5f) * 4.0f;
+      }
+      CKS(backend.CopyToDevice(q->data(), qh.data(), qh.size() * 4));
+    }
+    auto outb = backend.Allocate(size_t(sets) * sh.batch * Hq * (D + 1) * 4);
+    CKS(outb.status());
+    std::vector<std::vector<AttendItem>> items(sets);
+    for (int s = 0; s < sets; ++s) {
+      tables[s].resize(sh.batch);
+      exacts[s].resize(sh.batch);
+      for (int b = 0; b < sh.batch; ++b) {
+        const long start = (long(s) * sh.batch + b) * npages % std::max(1, kPool - npages);
+        for (int p = 0; p < npages; ++p) {
+          tables[s][b].push_back(pool->as<uint8_t>() + size_t(start + p) * geom.page_bytes());
+        }
+        int left_sink = tiers.sink, left_recent = tiers.recent;
+        for (int e = 0; e < nexact; ++e) {
+          const int blk = ((s * sh.batch + b) * nexact + e) % kExactBlocks;
+          int tok;
+          if (left_sink > 0) {
+            tok = std::min(32, left_sink);
+            left_sink -= tok;
+          } else {
+            tok = std::min(32, left_recent);
+            left_recent -= tok;
+          }
+          exacts[s][b].push_back({blocks->as<bf16_bits>() + size_t(blk) * block_elems, tok});
+        }
+        float* o = outb->as<float>() + (size_t(s) * sh.batch + b) * Hq * (D + 1);
+        items[s].push_back(AttendItem{q->as<float>() + size_t(b) * Hq * D, o, o + Hq * D, rref,
+                                      exacts[s][b].data(), nexact, tables[s][b].data(), npages});
+      }
+      auto l = AttendLauncher::Create(0);
+      CKS(l.status());
+      CKS((*l)->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
+      launchers.push_back(std::move(l).value());
+    }
+    CK(cudaStreamSynchronize(stream));
+    const double us = TimeEvents(stream, 3 * sets, iters,
+                                 [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
+    // CUDA graphs of each set's three launches.
+    std::vector<cudaGraphExec_t> execs(sets);
+    for (int s = 0; s < sets; ++s) {
+      cudaGraph_t g;
+      CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      CKS(launchers[s]->Launch(stream));
+      CK(cudaStreamEndCapture(stream, &g));
+      CK(cudaGraphInstantiate(&execs[s], g, 0));
+      CK(cudaGraphDestroy(g));
+    }
+    const double graph_us = TimeEvents(stream, 3 * sets, iters,
+                                       [&](int i) { CK(cudaGraphLaunch(execs[i % sets], stream)); });
+    for (auto& e : execs) CK(cudaGraphExecDestroy(e));
+    // Whole Backend::Attend calls (plan + upload + launches + sync), wall clock.
+    std::vector<double> call;
+    for (int i = 0; i < 30; ++i) {
+      const auto a = std::chrono::steady_clock::now();
+      CKS(backend.Attend(AttendBatch{geom, Hq, scale, items[i % sets].data(), sh.batch}));
+      call.push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count());
+    }
+    const double call_us = Median(call);
+    // Every output written and finite.
+    auto o = gputest::Download<float>(backend, outb->data(), size_t(sets) * sh.batch * Hq * (D + 1));
+    CKS(o.status());
+    size_t bad = 0, nonzero = 0;
+    for (float x : *o) {
+      bad += !std::isfinite(x);
+      nonzero += x != 0.0f;
+    }
+    const double bytes = double(sh.batch) *
+                         (double(npages) * geom.page_bytes() +
+                          double(tiers.sink + tiers.recent) * 8 * D * 2 * 2);
+    const double gbs = bytes / us / 1e3;
+    const std::string key = "B" + std::to_string(sh.batch) + "_S" + std::to_string(sh.tokens);
+    double sdpa = 0;
+    if (baseline.is_object() && baseline.contains("sdpa_us") && baseline["sdpa_us"].contains(key)) {
+      sdpa = baseline["sdpa_us"][key].get<double>();
+    }
+    std::printf("%-10s %9.1f %9.1f %9.1f %9.1f %8.2f %8.1f %9.0f %6.0f%% %6d%s\n", key.c_str(), us,
+                graph_us, call_us, sdpa, sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0,
+                bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, sets,
+                bad ? "  NON-FINITE OUTPUT" : (nonzero == 0 ? "  ALL ZERO" : ""));
+    const auto& sc = launchers[0]->schedule();
+    rows.push_back({{"shape", key}, {"us", us}, {"graph_us", graph_us}, {"call_us", call_us},
+                    {"sdpa_us", sdpa}, {"speedup", sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0},
+                    {"bytes", bytes}, {"gbs", gbs}, {"pct_copy", 100.0 * gbs / copy_gbs},
+                    {"history_units", sc.history_units}, {"exact_units", sc.exact_units},
+                    {"pages_per_unit", sc.pages_per_unit}, {"nonfinite", bad}});
+  }
+  out["attention"] = rows;
+  if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
+  CK(cudaStreamDestroy(stream));
+  return 0;
+}
+
+}  // namespace
+}  // namespace oscarkv
+
+int main(int argc, char** argv) { return oscarkv::Main(argc, argv); }

@@ -1,0 +1,69 @@
+#!/bin/bash
+# Runs every GPU test and benchmark in one go on the GPU host and writes logs
+# and JSON to OUT_DIR; prints a short table last.
+#
+#   tests/gpu/run_all.sh OUT_DIR [BUNDLE_DIR]
+#
+# BUNDLE_DIR (default .gpu) holds bin/ and lib/ made on the build machine by
+#   /work/shared/tools/gpu-bundle .gpu build-cuda/tests/gpu/cuda_codec_test \
+#       build-cuda/tests/gpu/cuda_attend_test build-cuda/tests/gpu/oscarkv_gpu_bench
+# Environment: SKIP_SANITIZER=1 skips compute-sanitizer; SKIP_BENCH=1 skips
+# the benchmark; BENCH_ITERS (default 200).
+set -u
+out=${1:?usage: run_all.sh OUT_DIR [BUNDLE_DIR]}
+bundle=${2:-.gpu}
+here=$(cd "$(dirname "$0")" && pwd)
+mkdir -p "$out"
+export LD_LIBRARY_PATH="$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+declare -A result
+
+nvidia-smi > "$out/nvidia-smi.txt" 2>&1 || true
+
+run() {  # name, command...
+  local name=$1; shift
+  local t0=$(date +%s%N)
+  "$@" > "$out/$name.log" 2>&1
+  local rc=$?
+  local dt=$(( ($(date +%s%N) - t0) / 1000000 ))
+  result[$name]="rc=$rc ${dt}ms"
+  echo "== $name: rc=$rc (${dt}ms)"
+  return $rc
+}
+
+for t in cuda_codec_test cuda_attend_test; do
+  run "$t" "$bundle/bin/$t" --gtest_output="json:$out/$t.json"
+  grep -E "^(encode|decode|round trip|D=|Qwen3)|FAILED|Failure" "$out/$t.log" | head -60
+done
+
+if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
+  run sanitizer_memcheck_codec compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$bundle/bin/cuda_codec_test"
+  run sanitizer_memcheck_attend compute-sanitizer --tool memcheck --error-exitcode 9 \
+    "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4:*D256_g1_groups2:CudaAttendLimits.*'
+  run sanitizer_racecheck_attend compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
+  run sanitizer_initcheck_attend compute-sanitizer --tool initcheck --error-exitcode 9 \
+    "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2'
+  for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
+fi
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  run sdpa_baseline env PYTHONUNBUFFERED=1 python3 "$here/sdpa_baseline.py" --json "$out/sdpa.json" \
+    --iters "${BENCH_ITERS:-200}"
+  run gpu_bench "$bundle/bin/oscarkv_gpu_bench" --baseline "$out/sdpa.json" --json "$out/bench.json" \
+    --iters "${BENCH_ITERS:-200}"
+  echo; cat "$out/sdpa_baseline.log"; echo; cat "$out/gpu_bench.log"
+fi
+
+echo
+echo "== summary"
+for k in "${!result[@]}"; do printf '%-28s %s\n' "$k" "${result[$k]}"; done | sort
+
+# Optional: hardware counters of the split kernel at B=1, 128K (NCU=1).
+if [ "${NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
+  ncu --clock-control none -k regex:SplitKernel -c 1 --section SpeedOfLight \
+    --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
+    --section ComputeWorkloadAnalysis \
+    "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --iters 5 > "$out/ncu_split.log" 2>&1
+  echo "ncu: rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issue Slots|Achieved Occupancy|Registers|No Eligible|Executed Ipc" "$out/ncu_split.log" | head -20
+fi
