@@ -1,6 +1,7 @@
 #include "kernels/cpu/attention_cpu.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -52,6 +53,16 @@ inline V16 ExpNonPositive(V16 x) {
   M16 under = x <= -87.0f;
   V16 zero = {};
   return under ? zero : out;
+}
+
+// Per-thread scratch of kChunk rows, 64-byte aligned, on the heap: a static
+// thread_local array this size would sit in every thread's static TLS block,
+// which glibc carves out of the thread's stack, and overflows threads with
+// small stacks (the metrics exposer's civetweb workers get 100 KiB).
+inline float* ThreadRowBuffer() {
+  static thread_local std::vector<float> storage(size_t(kChunk) * kMaxDim + 16);
+  const auto addr = reinterpret_cast<uintptr_t>(storage.data());
+  return reinterpret_cast<float*>((addr + 63) & ~uintptr_t{63});
 }
 
 inline float Dot(const float* a, const float* b, int n) {
@@ -239,7 +250,7 @@ void AttendCompressedKvHead(const PageGeometry& geom, int num_q_heads, float sca
   const int P = geom.page_tokens;
   const size_t row = geom.exact_row_elems();
   const float* q = item.q + size_t(h) * g * d;
-  alignas(64) static thread_local float rowbuf[kChunk * kMaxDim];
+  float* const rowbuf = ThreadRowBuffer();
 
   // Sink and recent: BF16, plain query.
   GroupState exact(g, d);
@@ -303,7 +314,7 @@ void AttendBf16KvHead(const bf16_bits* k, const bf16_bits* v, int tokens, int kv
   const int d = head_dim;
   const int g = num_q_heads / kv_heads;
   const size_t row = size_t(kv_heads) * d;
-  alignas(64) static thread_local float rowbuf[kChunk * kMaxDim];
+  float* const rowbuf = ThreadRowBuffer();
   GroupState st(g, d);
   const float* qh = q + size_t(h) * g * d;
   AccumulateTokens(
