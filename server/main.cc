@@ -109,20 +109,20 @@ int main(int argc, char** argv) {
     return Fail("--max_message_bytes must be in [1MiB, 1GiB]");
   }
 
-  auto registry = std::make_shared<prometheus::Registry>();
-  auto server = oscarkv::OscarkvServer::Start(o, registry, oscarkv::DefaultCalibrationReader());
-  if (!server.ok()) return Fail(server.status().ToString());
-
+  // The metrics endpoint first: a port clash fails before any memory is taken.
   std::unique_ptr<prometheus::Exposer> exposer;
   const std::string metrics_listen = absl::GetFlag(FLAGS_metrics_listen);
   if (!metrics_listen.empty()) {
     try {
-      exposer = std::make_unique<prometheus::Exposer>(metrics_listen);
+      exposer = std::make_unique<prometheus::Exposer>(metrics_listen, /*num_threads=*/2);
     } catch (const std::exception& e) {
       return Fail(absl::StrCat("cannot serve metrics on ", metrics_listen, ": ", e.what()));
     }
-    exposer->RegisterCollectable((*server)->collectable());
   }
+  auto registry = std::make_shared<prometheus::Registry>();
+  auto server = oscarkv::OscarkvServer::Start(o, registry, oscarkv::DefaultCalibrationReader());
+  if (!server.ok()) return Fail(server.status().ToString());
+  if (exposer) exposer->RegisterCollectable((*server)->collectable());
 
   std::vector<std::string> models;
   for (const auto& m : (*server)->models().List()) {
