@@ -19,6 +19,15 @@ int RunImportRotationZoo(int argc, char** argv);
 int RunBenchFidelity(int argc, char** argv);
 int RunGenSynthetic(int argc, char** argv);
 
+// Service subcommands (service_commands.cc; built with the client library).
+int RunServicePut(int argc, char** argv);
+int RunServiceGet(int argc, char** argv);
+int RunServiceAttend(int argc, char** argv);
+int RunServiceStat(int argc, char** argv);
+int RunServiceLs(int argc, char** argv);
+int RunServiceDrop(int argc, char** argv);
+int RunServiceInfo(int argc, char** argv);
+
 }  // namespace oscarkv::tool
 
 #endif  // OSCARKV_CLIENT_TOOL_COMMAND_H_

@@ -15,6 +15,16 @@ constexpr Command kCommands[] = {
     {"bench-fidelity", "compare no rotation / Hadamard / OSCAR attention fidelity",
      RunBenchFidelity},
     {"gen-synthetic", "write a synthetic Q/K/V activation dump", RunGenSynthetic},
+#ifdef OSCARKV_TOOL_SERVICE
+    {"put", "stream a K/V safetensors file into a server as a sequence", RunServicePut},
+    {"get", "fetch a sequence (bf16 or compressed) into a safetensors file", RunServiceGet},
+    {"attend", "run a decode-attention query on the server (--verify: locally too)",
+     RunServiceAttend},
+    {"stat", "show one sequence", RunServiceStat},
+    {"ls", "list sequences", RunServiceLs},
+    {"drop", "drop a sequence", RunServiceDrop},
+    {"info", "show the server: backend, pool, models", RunServiceInfo},
+#endif
 };
 
 void PrintUsage(FILE* out) {
