@@ -107,6 +107,13 @@ __device__ __forceinline__ uint32_t ValueCodePair(uint32_t x) {
   return d;
 }
 
+// 2^x with the MUFU unit (flush-to-zero below 2^-126; exp2(-inf) = 0).
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ float ValueFieldScale(int k) {
   return k == 0 ? 1.0f : k == 1 ? 0.25f : k == 2 ? 0.0625f : 1.0f;
 }

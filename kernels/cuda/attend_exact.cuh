@@ -34,8 +34,7 @@ struct ExactWarp {
     }
   }
 
-  __device__ void Run(const LaunchArgs& a, int item, int h, const ExactBlockRef& blk, int t0,
-                      int t1, int lane) {
+  __device__ void Init(const LaunchArgs& a, int item, int h, int lane) {
     const int g = a.g;
     const int D0 = lane * EL;
 #pragma unroll
@@ -48,6 +47,13 @@ struct ExactWarp {
         q[hh][e] = hh < g ? a.qexact[(size_t(item) * a.hq + h * g + hh) * D + D0 + e] : 0.0f;
       }
     }
+  }
+
+  // Tokens [t0, t1) of one exact block.
+  __device__ void Run(const LaunchArgs& a, int h, const ExactBlockRef& blk, int t0, int t1,
+                      int lane) {
+    const int g = a.g;
+    const int D0 = lane * EL;
     const size_t row_elems = a.geom.exact_row_elems();
     const bf16_bits* kb = blk.block + size_t(h) * D + D0;
     const bf16_bits* vb = kb + size_t(a.geom.page_tokens) * row_elems;

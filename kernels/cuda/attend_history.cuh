@@ -21,8 +21,9 @@ struct HistoryWarp {
   float m[2], l[2];
   float vlo[NG][2];
   float o[C::NT][C::MT][4];
-  // Byte offsets of the kv head's streams inside a page.
-  size_t koff, kpoff, voff, vpoff;
+  // Byte offsets, inside a page, of this thread's first K / V code and param
+  // bytes of chunk 0.
+  size_t k_thread, v_thread, kp_thread, vp_thread;
 
   __device__ void Init(const LaunchArgs& a, int item, int h, int lane) {
     r = lane >> 2;
@@ -55,18 +56,23 @@ struct HistoryWarp {
       for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
-    koff = a.geom.codes_offset(h, 0);
-    kpoff = a.geom.params_offset(h, 0);
-    voff = a.geom.codes_offset(h, 1);
-    vpoff = a.geom.params_offset(h, 1);
+    k_thread = a.geom.codes_offset(h, 0) + size_t(r) * (D / 4) + c * (D / 16);
+    kp_thread = a.geom.params_offset(h, 0) + size_t(r) * NG * 4;
+    v_thread = a.geom.codes_offset(h, 1) + size_t(2 * c) * (D / 4) + r * C::VB;
+    vp_thread = a.geom.params_offset(h, 1) + size_t(r) * NG * 4;
   }
 
   __device__ __forceinline__ void Load(Regs& x, const uint8_t* page, int chunk) const {
-    const int t0 = 32 * chunk;
-    const int rows[4] = {t0 + r, t0 + r + 8, t0 + 16 + r, t0 + 24 + r};
+    // Per-thread base pointers of this chunk; every load below then uses a
+    // compile-time offset (no per-load address arithmetic).
+    const uint8_t* kb = page + k_thread + size_t(chunk) * (32 * D / 4);
+    const uint8_t* vb = page + v_thread + size_t(chunk) * (32 * D / 4);
+    const uint8_t* kpb = page + kp_thread + size_t(chunk) * (32 * NG * 4);
+    const uint8_t* vpb = page + vp_thread + size_t(chunk) * (32 * NG * 4);
+    constexpr int kRowOff[4] = {0, 8, 16, 24};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
-      const uint8_t* kp = page + koff + size_t(rows[i]) * (D / 4) + c * (D / 16);
+      const uint8_t* kp = kb + kRowOff[i] * (D / 4);
       if constexpr (C::KW == 1) {
         x.kc[i][0] = Ld32(kp);
       } else {
@@ -79,17 +85,16 @@ struct HistoryWarp {
       }
 #pragma unroll
       for (int gi = 0; gi < NG; ++gi) {
-        x.kp[i][gi] = Ld32(page + kpoff + (size_t(rows[i]) * NG + gi) * 4);
-        x.vp[i][gi] = Ld32(page + vpoff + (size_t(rows[i]) * NG + gi) * 4);
+        x.kp[i][gi] = Ld32(kpb + (kRowOff[i] * NG + gi) * 4);
+        x.vp[i][gi] = Ld32(vpb + (kRowOff[i] * NG + gi) * 4);
       }
     }
+    constexpr int kTokOff[4] = {0, 1, 8, 9};
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
-      const int vt[4] = {t0 + 16 * tau + 2 * c, t0 + 16 * tau + 2 * c + 1,
-                         t0 + 16 * tau + 2 * c + 8, t0 + 16 * tau + 2 * c + 9};
 #pragma unroll
       for (int i = 0; i < 4; ++i) {
-        const uint8_t* vp = page + voff + size_t(vt[i]) * (D / 4) + r * C::VB;
+        const uint8_t* vp = vb + (16 * tau + kTokOff[i]) * (D / 4);
         if constexpr (C::VB == 2) {
           x.vc[tau][i][0] = __ldg(reinterpret_cast<const unsigned short*>(vp));
         } else if constexpr (C::VB == 4) {
@@ -108,13 +113,16 @@ struct HistoryWarp {
     float lg[2][4];
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
-      float s[C::NT][NG][4];
+      constexpr int kChains = C::KW >= 2 ? 2 : 1;  // independent MMA accumulation chains
+      float s[kChains][C::NT][NG][4];
 #pragma unroll
-      for (int nt = 0; nt < C::NT; ++nt)
+      for (int ch = 0; ch < kChains; ++ch)
 #pragma unroll
-        for (int gi = 0; gi < NG; ++gi)
+        for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) s[nt][gi][e] = 0.0f;
+          for (int gi = 0; gi < NG; ++gi)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) s[ch][nt][gi][e] = 0.0f;
 #pragma unroll
       for (int w = 0; w < C::KW; ++w) {
         const uint32_t x0 = x.kc[2 * tau][w], x1 = x.kc[2 * tau + 1][w];
@@ -125,7 +133,8 @@ struct HistoryWarp {
     const uint32_t a0 = KeyCodePair<K>(x0), a1 = KeyCodePair<K>(x1);                        \
     const uint32_t a2 = KeyCodePair<K>(x0s), a3 = KeyCodePair<K>(x1s);                      \
     _Pragma("unroll") for (int nt = 0; nt < C::NT; ++nt)                                    \
-        MmaF16(s[nt][gi], a0, a1, a2, a3, qb[nt][w * 4 + (K)][0], qb[nt][w * 4 + (K)][1]); \
+        MmaF16(s[w % kChains][nt][gi], a0, a1, a2, a3, qb[nt][w * 4 + (K)][0],              \
+               qb[nt][w * 4 + (K)][1]);                                                    \
   }
         OSCARKV_QK_STEP(0)
         OSCARKV_QK_STEP(1)
@@ -142,9 +151,12 @@ struct HistoryWarp {
         for (int gi = 0; gi < NG; ++gi) {
           float dot;
           if constexpr (G8) {
-            dot = s[0][gi][e] + s[1][gi][e];
+            dot = s[0][0][gi][e] + s[0][1][gi][e];
+            if constexpr (kChains == 2) dot += s[1][0][gi][e] + s[1][1][gi][e];
           } else {
-            dot = s[0][gi][e] + __shfl_xor_sync(kFull, s[0][gi][e], 2);
+            float part = s[0][0][gi][e];
+            if constexpr (kChains == 2) part += s[1][0][gi][e];
+            dot = part + __shfl_xor_sync(kFull, part, 2);
           }
           const uint32_t kp = x.kp[row][gi];
           v += mult[j] * ParamScale(kp) * dot + ParamMin(kp) * qsum[j][gi];
@@ -165,12 +177,15 @@ struct HistoryWarp {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const float mn = fmaxf(m[j], cm[j]);
-      f[j] = exp2f(m[j] - mn);
+      f[j] = FastExp2(m[j] - mn);
       m[j] = mn;
       l[j] *= f[j];
 #pragma unroll
       for (int gi = 0; gi < NG; ++gi) vlo[gi][j] *= f[j];
     }
+    // The running max rarely moves after the first chunks: skip the rescale of
+    // the accumulators when it did not move for any lane.
+    if (__any_sync(kFull, f[0] != 1.0f || f[1] != 1.0f)) {
 #pragma unroll
     for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
@@ -180,6 +195,7 @@ struct HistoryWarp {
         o[nt][mt][2] *= f[0];
         o[nt][mt][3] *= f[1];
       }
+    }
 
     // Probabilities, P' = p * s_V split into hi / lo, transposed into B fragments.
     uint32_t pb[C::NT][NG][2][2];
@@ -188,7 +204,7 @@ struct HistoryWarp {
       float p[4];
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        p[e] = exp2f(lg[tau][e] - m[e & 1]);
+        p[e] = FastExp2(lg[tau][e] - m[e & 1]);
         l[e & 1] += p[e];
       }
 #pragma unroll

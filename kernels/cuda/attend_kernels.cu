@@ -7,6 +7,7 @@
 #include "kernels/cuda/attend_exact.cuh"
 #include "kernels/cuda/attend_history.cuh"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/status_macros.h"
 
 namespace oscarkv {
 namespace cuda_attend {
@@ -14,6 +15,16 @@ namespace {
 
 constexpr int kPrepThreads = 512;
 constexpr float kLn2 = 0.69314718055994531f;
+
+// Programmatic dependent launch (sm_90): a kernel lets the next one in the
+// stream start launching early; the next one waits for this one's memory
+// before it reads it. Both are no-ops when the launch was not programmatic.
+__device__ __forceinline__ void LaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void WaitForPrerequisites() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
 
 // Per (item, kv head): rotated, scaled query q' = q·R_K·scale·log2e of each
 // head of the group, laid out as the B fragments of the QK MMA (fp16 hi / lo
@@ -29,6 +40,8 @@ __global__ void __launch_bounds__(kPrepThreads) PrepKernel(LaunchArgs a) {
   __shared__ float red[kSlices][8][D];
   __shared__ float inv_s[8];
   const int item_idx = blockIdx.x, h = blockIdx.y, tid = threadIdx.x;
+  WaitForPrerequisites();
+  LaunchDependents();
   const ItemPlan& item = a.items[item_idx];
   const int g = a.g;
   const bool has_history = item.num_pages > 0;
@@ -151,30 +164,38 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
   }
 }
 
-template <int D, int NG, bool G8>
-__global__ void __launch_bounds__(kThreads, 3) SplitKernel(LaunchArgs a) {
+template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch>
+__global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
   constexpr int HG = C::HG;
   __shared__ float sm_o[kWarps][HG][D];
   __shared__ float sm_m[kWarps][HG];
   __shared__ float sm_l[kWarps][HG];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  WaitForPrerequisites();  // the prep kernel's query fragments
+  LaunchDependents();
   const WorkUnit wu = a.work[blockIdx.x];
   const ItemPlan& item = a.items[wu.item];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   if (lane < HG) {
     sm_m[warp][lane] = -INFINITY;
     sm_l[warp][lane] = 0.0f;
   }
   __syncwarp();
   if (wu.exact) {
-    const ExactBlockRef blk = item.exact[wu.begin];
-    const int per = (blk.tokens + kWarps - 1) / kWarps;
-    const int t0 = warp * per, t1 = min(blk.tokens, t0 + per);
-    if (t0 < t1) {
-      ExactWarp<D, HG> ex;
-      ex.Run(a, wu.item, wu.kv_head, blk, t0, t1, lane);
-      ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
+    // Exact blocks [begin, end); each block's tokens split over the 4 warps.
+    ExactWarp<D, HG> ex;
+    ex.Init(a, wu.item, wu.kv_head, lane);
+    bool any = false;
+    for (int e = wu.begin; e < wu.end; ++e) {
+      const ExactBlockRef blk = item.exact[e];
+      const int per = (blk.tokens + kWarps - 1) / kWarps;
+      const int t0 = warp * per, t1 = min(blk.tokens, t0 + per);
+      if (t0 < t1) {
+        ex.Run(a, wu.kv_head, blk, t0, t1, lane);
+        any = true;
+      }
     }
+    if (any) ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
   } else {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (wu.end - wu.begin) * cpp;
@@ -201,7 +222,7 @@ __global__ void __launch_bounds__(kThreads, 3) SplitKernel(LaunchArgs a) {
       typename HistoryWarp<D, NG, G8>::Regs ra, rb;
       hw.Load(ra, page_of(0), chunk_of(0) % cpp);
       int it = 0;
-      if constexpr (C::kPrefetch) {
+      if constexpr (kPrefetch) {
         while (true) {
           if (it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
           hw.Process(ra);
@@ -296,6 +317,7 @@ __global__ void __launch_bounds__(kThreads) MergeKernel(LaunchArgs a) {
   __shared__ float sm_m[kWarps], sm_l[kWarps];
   __shared__ float o_rot[D], o_hist[D], o_exact[D];
   const int item_idx = blockIdx.x, qh = blockIdx.y;
+  WaitForPrerequisites();  // the split kernel's partials
   const ItemPlan& item = a.items[item_idx];
   const int g = a.g, h = qh / g, hh = qh % g;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -315,8 +337,8 @@ __global__ void __launch_bounds__(kThreads) MergeKernel(LaunchArgs a) {
   } else {
     for (int d = threadIdx.x; d < D; d += kThreads) o_hist[d] = 0.0f;
   }
-  const float lse_e2 = CombinePartials<D>(a, item.exact_begin + h * item.num_exact,
-                                          item.num_exact, hh, o_exact, sm_a, sm_m, sm_l);
+  const float lse_e2 = CombinePartials<D>(a, item.exact_begin + h * item.exact_splits,
+                                          item.exact_splits, hh, o_exact, sm_a, sm_m, sm_l);
   const float lse_a = lse_e2 == -INFINITY ? -INFINITY : lse_e2 * kLn2;
   const float lse_b = lse_h2 == -INFINITY ? -INFINITY : lse_h2 * kLn2;
   const float mx = fmaxf(lse_a, lse_b);
@@ -337,24 +359,51 @@ __global__ void __launch_bounds__(kThreads) MergeKernel(LaunchArgs a) {
   if (threadIdx.x == 0 && item.lse != nullptr) item.lse[qh] = mx + logf(wa + wb);
 }
 
+// Launches `kernel` with programmatic stream serialization (PDL) allowed.
+template <typename Kernel>
+absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream,
+                       const LaunchArgs& a) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = grid;
+  cfg.blockDim = block;
+  cfg.dynamicSmemBytes = 0;
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a));
+  return absl::OkStatus();
+}
+
+// Variant 1 (D = 128, one group only): 4 resident blocks per SM, no prefetch.
+template <int D, int NG, bool G8>
+auto SplitKernelFor(int variant) {
+  if constexpr (D == 128 && NG == 1) {
+    if (variant == 1) return &SplitKernel<D, NG, G8, 4, false>;
+  }
+  return &SplitKernel<D, NG, G8, 3, Cfg<D, NG, G8>::kPrefetch>;
+}
+
 template <int D, int NG, bool G8>
 absl::Status LaunchTyped(const LaunchArgs& a, const LaunchShape& s, cudaStream_t stream) {
   PrepKernel<D, G8><<<dim3(s.num_items, s.kv_heads), kPrepThreads, 0, stream>>>(a);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (s.num_work > 0) {
-    SplitKernel<D, NG, G8><<<s.num_work, kThreads, 0, stream>>>(a);
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+    OSCARKV_RETURN_IF_ERROR(
+        LaunchPdl(SplitKernelFor<D, NG, G8>(s.variant), dim3(s.num_work), dim3(kThreads), stream, a));
   }
-  MergeKernel<D><<<dim3(s.num_items, s.hq), kThreads, 0, stream>>>(a);
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  OSCARKV_RETURN_IF_ERROR(
+      LaunchPdl(MergeKernel<D>, dim3(s.num_items, s.hq), dim3(kThreads), stream, a));
   return absl::OkStatus();
 }
 
 template <int D, int NG, bool G8>
-absl::StatusOr<int> BlocksPerSmTyped() {
+absl::StatusOr<int> BlocksPerSmTyped(const LaunchShape& s) {
   int blocks = 0;
-  OSCARKV_CUDA_RETURN_IF_ERROR(
-      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, SplitKernel<D, NG, G8>, kThreads, 0));
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, SplitKernelFor<D, NG, G8>(s.variant), kThreads, 0));
   return blocks;
 }
 
@@ -391,7 +440,7 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& s, cudaS
   OSCARKV_DISPATCH(LaunchTyped, args, s, stream)
 }
 
-absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(BlocksPerSmTyped) }
+absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(BlocksPerSmTyped, s) }
 
 }  // namespace cuda_attend
 }  // namespace oscarkv

@@ -54,12 +54,18 @@ class AttendLauncher {
 
   const AttendSchedule& schedule() const { return schedule_; }
 
+  // Split-kernel variant for benchmarks: 0 = 3 blocks/SM with register
+  // prefetch of the next chunk (default), 1 = 4 blocks/SM without (D = 128,
+  // G = D only; other shapes ignore it). Takes effect at the next Prepare().
+  void set_variant(int variant) { variant_ = variant; }
+
  private:
   AttendLauncher(int device, int num_sms);
   absl::Status Reserve(size_t upload_bytes, size_t device_bytes);
 
   int device_;
   int num_sms_;
+  int variant_ = 0;
   // Pinned staging (host) and the workspace (device): the upload region first,
   // then device-only scratch (query fragments, partials).
   void* staging_ = nullptr;

@@ -155,6 +155,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.num_items = n;
   shape.kv_heads = H;
   shape.hq = b.num_q_heads;
+  shape.variant = variant_;
 
   // Work units: exact blocks first (short), then history ranges sized so that
   // all units fit in one wave of resident blocks.
@@ -165,8 +166,20 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
   OSCARKV_ASSIGN_OR_RETURN(const int per_sm, cuda_attend::SplitBlocksPerSm(shape));
   const long capacity = std::max<long>(1, long(per_sm) * num_sms_);
-  const long exact_units = total_exact * H;
-  const long target = std::max(capacity / 2, capacity - exact_units / 2);
+  // Exact units: (item, kv head, up to `epu` exact blocks); epu grows until
+  // the exact units take at most 1/8 of a wave (or one unit per item-head).
+  long epu = 1;
+  auto count_exact = [&](long e) {
+    long u = 0;
+    for (int i = 0; i < n; ++i) u += (b.items[i].num_exact + e - 1) / e;
+    return u * H;
+  };
+  long max_exact = 1;
+  for (int i = 0; i < n; ++i) max_exact = std::max<long>(max_exact, b.items[i].num_exact);
+  while (epu < max_exact && count_exact(epu) > capacity / 8) ++epu;
+  const long exact_units = total_exact > 0 ? count_exact(epu) : 0;
+  // History units: page ranges sized so that all units run in one wave.
+  const long target = std::max(capacity / 2, capacity - exact_units);
   long ppu = std::max<long>(1, (total_pages * H + target - 1) / target);
   auto count_units = [&](long p) {
     long u = 0;
@@ -230,10 +243,14 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     if (it.num_exact > 0) std::memcpy(exact + exact_pos, it.exact, sizeof(ExactBlockRef) * it.num_exact);
     page_pos += it.num_pages;
     exact_pos += it.num_exact;
+    const int esplits = it.num_exact > 0 ? static_cast<int>((it.num_exact + epu - 1) / epu) : 0;
     ip.exact_begin = static_cast<int>(partial);
+    ip.exact_splits = esplits;
     for (int h = 0; h < H; ++h) {
-      for (int e = 0; e < it.num_exact; ++e) {
-        work[w++] = WorkUnit{i, h, e, e + 1, static_cast<int>(partial++), 1};
+      for (int s = 0; s < esplits; ++s) {
+        const int begin = static_cast<int>(s * epu);
+        const int end = static_cast<int>(std::min<long>(it.num_exact, (s + 1) * epu));
+        work[w++] = WorkUnit{i, h, begin, end, static_cast<int>(partial++), 1};
       }
     }
   }

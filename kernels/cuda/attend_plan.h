@@ -2,7 +2,7 @@
 // read it from device memory (shared by the host planner and the kernels).
 //
 // A batch is cut into work units, one thread block each:
-//   - exact units: one (item, kv head, sink/recent block), BF16 attention;
+//   - exact units: one (item, kv head, range of sink/recent blocks), BF16 attention;
 //   - history units: one (item, kv head, range of history pages) (split-KV).
 // Every unit writes one partial result (un-normalized accumulator, running max
 // and running sum per query head of the GQA group, base-2 logits) that the
@@ -28,18 +28,18 @@ struct ItemPlan {
   int num_pages = 0;
   int num_exact = 0;
   // Partials of kv head h: history  hist_begin + h * hist_splits + s,
-  //                        exact    exact_begin + h * num_exact + e.
+  //                        exact    exact_begin + h * exact_splits + e.
   int hist_begin = 0;
   int hist_splits = 0;
   int exact_begin = 0;
-  int pad = 0;
+  int exact_splits = 0;
 };
 
 struct WorkUnit {
   int item = 0;
   int kv_head = 0;
-  int begin = 0;  // first page (history) or the exact block index (exact)
-  int end = 0;    // one past the last page
+  int begin = 0;  // first page (history) or exact block (exact)
+  int end = 0;    // one past the last page / exact block
   int partial = 0;
   int exact = 0;  // 1: exact unit
 };

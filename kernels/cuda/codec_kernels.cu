@@ -16,14 +16,16 @@ using bf16 = __nv_bfloat16;
 
 constexpr int kEncodeWarps = 8;
 constexpr int kEncodeThreads = kEncodeWarps * 32;
-constexpr int kEncodeTilesPerBlock = 4;
+constexpr int kEncodeTilesPerBlock = 8;
 
 // Tile shapes of the encode kernel for head dim D: M rows per tile, the
-// rotation staged in shared memory CW columns at a time (bf16 hi and lo).
+// rotation staged in shared memory CW columns at a time as three bf16 terms
+// (hi + mid + lo = R to ~2^-24 relative, so x·R keeps fp32 accuracy: x is
+// exact in bf16).
 template <int D>
 struct EncodeShape {
   static constexpr int M = D == 256 ? 32 : 64;
-  static constexpr int CW = D < 128 ? D : 128;
+  static constexpr int CW = D < 128 ? D : (D == 128 ? 128 : 64);
   static constexpr int NC = D / CW;
   static constexpr int LDX = D + 8;   // bf16 elements
   static constexpr int LDR = CW + 8;  // bf16 elements
@@ -32,7 +34,7 @@ struct EncodeShape {
   static constexpr size_t kRBytes = size_t(D) * LDR * 2;
   static constexpr size_t kYBytes = size_t(M) * LDY * 4;
   static constexpr size_t kQBytes = size_t(kEncodeWarps) * D;
-  static constexpr size_t kSmem = kXBytes + 2 * kRBytes + kYBytes + kQBytes + 2 * M * 4;
+  static constexpr size_t kSmem = kXBytes + 3 * kRBytes + kYBytes + kQBytes + 2 * M * 4;
 };
 
 __device__ __forceinline__ int DeviceClipRank(float ratio, int n) {
@@ -134,16 +136,17 @@ __device__ void QuantizeRowWarp(const float* yrow, int group, float clip, uint8_
 
 // grid.x: chunks of kEncodeTilesPerBlock*M rows over (job, token); grid.y: head*2 + kind.
 template <int D>
-__global__ void __launch_bounds__(kEncodeThreads)
+__global__ void __launch_bounds__(kEncodeThreads, 1)
     EncodeKernel(PageGeometry geom, const EncodeJob* __restrict__ jobs, int num_jobs) {
   using S = EncodeShape<D>;
   namespace wmma = nvcuda::wmma;
   extern __shared__ __align__(128) unsigned char smem[];
   bf16* xs = reinterpret_cast<bf16*>(smem);
   bf16* rhi = reinterpret_cast<bf16*>(smem + S::kXBytes);
-  bf16* rlo = reinterpret_cast<bf16*>(smem + S::kXBytes + S::kRBytes);
-  float* ys = reinterpret_cast<float*>(smem + S::kXBytes + 2 * S::kRBytes);
-  uint8_t* qs = smem + S::kXBytes + 2 * S::kRBytes + S::kYBytes;
+  bf16* rmid = reinterpret_cast<bf16*>(smem + S::kXBytes + S::kRBytes);
+  bf16* rlo = reinterpret_cast<bf16*>(smem + S::kXBytes + 2 * S::kRBytes);
+  float* ys = reinterpret_cast<float*>(smem + S::kXBytes + 3 * S::kRBytes);
+  uint8_t* qs = smem + S::kXBytes + 3 * S::kRBytes + S::kYBytes;
   int* row_state = reinterpret_cast<int*>(qs + S::kQBytes);  // 1 = done
   __shared__ const float* cur_r;
   __shared__ const float* loaded_r;
@@ -201,13 +204,16 @@ __global__ void __launch_bounds__(kEncodeThreads)
       }
       for (int cc = 0; cc < S::NC; ++cc) {
         if (loaded_r != r || loaded_chunk != cc) {
-          __syncthreads();  // previous users of rhi/rlo are done
+          __syncthreads();  // previous users of the staged rotation are done
           for (int idx = tid; idx < D * S::CW; idx += kEncodeThreads) {
             const int i = idx / S::CW, j = idx % S::CW;
             const float v = r[size_t(i) * D + cc * S::CW + j];
             const bf16 vh = __float2bfloat16_rn(v);
+            const float r1 = v - __bfloat162float(vh);
+            const bf16 vm = __float2bfloat16_rn(r1);
             rhi[i * S::LDR + j] = vh;
-            rlo[i * S::LDR + j] = __float2bfloat16_rn(v - __bfloat162float(vh));
+            rmid[i * S::LDR + j] = vm;
+            rlo[i * S::LDR + j] = __float2bfloat16_rn(r1 - __bfloat162float(vm));
           }
           __syncthreads();
           if (tid == 0) {
@@ -228,6 +234,8 @@ __global__ void __launch_bounds__(kEncodeThreads)
             wmma::fragment<wmma::matrix_b, 16, 16, 16, bf16, wmma::row_major> b;
             wmma::load_matrix_sync(a, xs + mi * 16 * S::LDX + kk * 16, S::LDX);
             wmma::load_matrix_sync(b, rlo + kk * 16 * S::LDR + nj * 16, S::LDR);
+            wmma::mma_sync(acc, a, b, acc);
+            wmma::load_matrix_sync(b, rmid + kk * 16 * S::LDR + nj * 16, S::LDR);
             wmma::mma_sync(acc, a, b, acc);
             wmma::load_matrix_sync(b, rhi + kk * 16 * S::LDR + nj * 16, S::LDR);
             wmma::mma_sync(acc, a, b, acc);

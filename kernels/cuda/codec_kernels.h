@@ -15,7 +15,7 @@
 
 namespace oscarkv {
 
-// Rotate (x · R on the tensor cores, R split into bf16 hi + lo parts so the
+// Rotate (x · R on the tensor cores, R split into three bf16 terms so the
 // product keeps fp32 accuracy), clip, quantize and pack every row of every job
 // in one launch. Codes are computed against the fp16-rounded (scale, min)
 // exactly like QuantizeRow; only the fp32 summation order of the rotation

@@ -6,8 +6,13 @@
 // accuracy, another summation order than the CPU), so a code whose value sits
 // on a rounding boundary may flip; we require fewer than 1e-3 of all codes and
 // of all (scale, min) params to differ, and print the measured fractions.
-// Decode uses the CPU's summation order: at most 1e-3 of BF16 outputs may
-// differ, each by at most one BF16 ulp.
+// Decode: the GPU sums in the CPU's order, but the compilers may contract
+// multiply-adds differently; we require every BF16 output to be within one
+// BF16 ulp of the row's largest magnitude from the CPU's (an absolute bound:
+// relative ulps mean nothing for outputs near zero), and fewer than 1e-3 of
+// outputs to differ at all.
+#include <algorithm>
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 #include <random>
@@ -165,7 +170,7 @@ TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
 
 TEST_F(CudaCodecTest, DecodeMatchesCpuBackendOnTheSamePages) {
   size_t outputs = 0, diffs = 0;
-  int max_ulp = 0;
+  float max_rel = 0.0f;  // largest difference in units of the row's BF16 ulp
   uint64_t seed = 100;
   for (const CodecCase& c : kCases) {
     SCOPED_TRACE(testing::Message() << "D=" << c.dim << " G=" << c.group);
@@ -203,16 +208,23 @@ TEST_F(CudaCodecTest, DecodeMatchesCpuBackendOnTheSamePages) {
     ASSERT_TRUE(gpu_->DecodePages(geom, gj.data(), c.jobs).ok());
     auto got = Download<bf16_bits>(*gpu_, dst_dev->data(), block_elems * c.jobs);
     ASSERT_TRUE(got.ok());
-    for (size_t i = 0; i < cpu_out.size(); ++i) {
-      const int ulp = std::abs(int(int16_t(cpu_out[i])) - int(int16_t((*got)[i])));
-      diffs += ulp != 0;
-      max_ulp = std::max(max_ulp, ulp);
+    const size_t rows = cpu_out.size() / c.dim;
+    for (size_t rw = 0; rw < rows; ++rw) {
+      float mx = 0.0f;
+      for (int e = 0; e < c.dim; ++e) mx = std::max(mx, std::fabs(Bf16ToFloat(cpu_out[rw * c.dim + e])));
+      const float ulp_row = mx * (1.0f / 128.0f);  // bf16 has 8 significant bits
+      for (int e = 0; e < c.dim; ++e) {
+        const size_t i = rw * c.dim + e;
+        const float d = std::fabs(Bf16ToFloat(cpu_out[i]) - Bf16ToFloat((*got)[i]));
+        diffs += d != 0.0f;
+        max_rel = std::max(max_rel, mx > 0 ? d / ulp_row : (d > 0 ? 1e9f : 0.0f));
+      }
     }
     outputs += cpu_out.size();
   }
-  std::printf("decode: %zu of %zu bf16 outputs differ (%.2e), max %d ulp\n", diffs, outputs,
-              double(diffs) / outputs, max_ulp);
-  EXPECT_LE(max_ulp, 1);
+  std::printf("decode: %zu of %zu bf16 outputs differ (%.2e), max difference %.3f row ulps\n",
+              diffs, outputs, double(diffs) / outputs, max_rel);
+  EXPECT_LE(max_rel, 1.0f);
   EXPECT_LT(double(diffs), 1e-3 * outputs + 0.5);
 }
 

@@ -192,9 +192,10 @@ int Main(int argc, char** argv) {
   const float scale = 1.0f / std::sqrt(float(D));
   const std::vector<Shape> shapes = {{1, 8192}, {1, 32768}, {1, 65536}, {1, 131072},
                                      {8, 32768}, {8, 65536}};
-  std::printf("\n%-10s %9s %9s %9s %9s %8s %8s %9s %7s %6s\n", "shape", "ours_us", "graph_us",
+  std::printf("\n%-13s %9s %9s %9s %9s %8s %8s %9s %7s %6s\n", "shape", "ours_us", "graph_us",
               "call_us", "sdpa_us", "speedup", "MB", "GB/s", "%copy", "sets");
   nlohmann::json rows = nlohmann::json::array();
+  for (int variant = 0; variant < 2; ++variant)
   for (const Shape& sh : shapes) {
     if (!only.empty() && only != "B" + std::to_string(sh.batch) + "_S" + std::to_string(sh.tokens)) {
       continue;
@@ -247,6 +248,7 @@ int Main(int argc, char** argv) {
       }
       auto l = AttendLauncher::Create(0);
       CKS(l.status());
+      (*l)->set_variant(variant);
       CKS((*l)->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
       launchers.push_back(std::move(l).value());
     }
@@ -292,12 +294,13 @@ int Main(int argc, char** argv) {
     if (baseline.is_object() && baseline.contains("sdpa_us") && baseline["sdpa_us"].contains(key)) {
       sdpa = baseline["sdpa_us"][key].get<double>();
     }
-    std::printf("%-10s %9.1f %9.1f %9.1f %9.1f %8.2f %8.1f %9.0f %6.0f%% %6d%s\n", key.c_str(), us,
+    const std::string label = key + (variant ? "/v1" : "");
+    std::printf("%-13s %9.1f %9.1f %9.1f %9.1f %8.2f %8.1f %9.0f %6.0f%% %6d%s\n", label.c_str(), us,
                 graph_us, call_us, sdpa, sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0,
                 bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, sets,
                 bad ? "  NON-FINITE OUTPUT" : (nonzero == 0 ? "  ALL ZERO" : ""));
     const auto& sc = launchers[0]->schedule();
-    rows.push_back({{"shape", key}, {"us", us}, {"graph_us", graph_us}, {"call_us", call_us},
+    rows.push_back({{"shape", key}, {"variant", variant}, {"us", us}, {"graph_us", graph_us}, {"call_us", call_us},
                     {"sdpa_us", sdpa}, {"speedup", sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0},
                     {"bytes", bytes}, {"gbs", gbs}, {"pct_copy", 100.0 * gbs / copy_gbs},
                     {"history_units", sc.history_units}, {"exact_units", sc.exact_units},

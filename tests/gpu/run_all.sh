@@ -59,11 +59,21 @@ echo
 echo "== summary"
 for k in "${!result[@]}"; do printf '%-28s %s\n' "$k" "${result[$k]}"; done | sort
 
-# Optional: hardware counters of the split kernel at B=1, 128K (NCU=1).
+# Optional (NCU=1): hardware counters of the three attention kernels at
+# B=1 8K and of the split kernel at 128K, the encode kernel, and the SASS.
 if [ "${NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
-  ncu --clock-control none -k regex:SplitKernel -c 1 --section SpeedOfLight \
-    --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats \
-    --section ComputeWorkloadAnalysis \
-    "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --iters 5 > "$out/ncu_split.log" 2>&1
-  echo "ncu: rc=$?"; grep -E "Duration|DRAM Throughput|Memory Throughput|Compute \(SM\)|Issue Slots|Achieved Occupancy|Registers|No Eligible|Executed Ipc" "$out/ncu_split.log" | head -20
+  sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats"
+  ncu --clock-control none -k regex:"PrepKernel|SplitKernel|MergeKernel" -c 3 --section SpeedOfLight \
+    "$bundle/bin/oscarkv_gpu_bench" --only B1_S8192 --iters 5 > "$out/ncu_8k.log" 2>&1
+  ncu --clock-control none -k regex:"PrepKernel|SplitKernel|MergeKernel" -c 3 $sections \
+    "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --iters 5 > "$out/ncu_128k.log" 2>&1
+  ncu --clock-control none -k regex:EncodeKernel -c 1 $sections \
+    "$bundle/bin/oscarkv_gpu_bench" --only none --iters 5 > "$out/ncu_encode.log" 2>&1
+  echo "ncu 8K (prep, split, merge):"; grep -E "^  [A-Za-z]|Duration" "$out/ncu_8k.log" | head -12
+  echo "ncu 128K:"; grep -E "^  [A-Za-z]|Duration|DRAM Throughput|Issue Slots|Achieved Occupancy|Executed Ipc A|Registers Per" "$out/ncu_128k.log" | head -30
+  echo "ncu encode:"; grep -E "Duration|DRAM Throughput|Issue Slots|Achieved Occupancy|Registers Per|Executed Ipc A|Stall" "$out/ncu_encode.log" | head -12
+  if command -v cuobjdump > /dev/null; then
+    cuobjdump -sass "$bundle/bin/oscarkv_gpu_bench" > "$out/sass_all.txt" 2>&1
+    echo "sass: $(wc -l < "$out/sass_all.txt") lines"
+  fi
 fi
