@@ -18,6 +18,7 @@ constexpr char kUsage[] =
     "         [--calib-tokens 2048] [--tokens 4096] [--queries 16] [--trials 8] [--seed 1]\n"
     "         [--group-size 0] [--sink 64] [--recent 256] [--value-target proxy|exact]\n"
     "         [--calibration FILE] [--real-queries K.pt [--real-layer 0]] [--no-ablation]\n"
+    "         [--per-head]   (calibrate one rotation per KV head instead of per layer)\n"
     "         [--spec knob=value,...]   (SyntheticSpec fields, e.g. key_private_std=6)\n"
     "Calibrates on one synthetic draw per layer and measures, on --trials held-out draws,\n"
     "attention-output relative error vs BF16, logit RMS error, KL of attention weights,\n"
@@ -36,7 +37,7 @@ int RunBenchFidelity(int argc, char** argv) {
   Flags flags({"layers", "q-heads", "kv-heads", "head-dim", "calib-tokens", "tokens", "queries",
                "trials", "seed", "group-size", "sink", "recent", "value-target", "calibration",
                "real-queries", "real-layer", "spec"},
-              {"no-ablation", "help"});
+              {"no-ablation", "per-head", "help"});
   absl::Status st = flags.Parse(argc, argv);
   if (!st.ok() || flags.Switch("help")) {
     if (!st.ok()) std::fprintf(stderr, "oscarkv bench-fidelity: %s\n", std::string(st.message()).c_str());
@@ -77,6 +78,7 @@ int RunBenchFidelity(int argc, char** argv) {
   }
   o.calibration.value_target = vt == "exact" ? ValueTarget::kExactSoftmax : ValueTarget::kLogitProxy;
   o.include_ablation = !flags.Switch("no-ablation");
+  o.calibration.per_head = flags.Switch("per-head");
   if (flags.Has("real-queries")) {
     auto bytes = ReadFileBytes(flags.String("real-queries", ""));
     if (!bytes.ok()) return Fail(bytes.status());
@@ -103,11 +105,12 @@ int RunBenchFidelity(int argc, char** argv) {
   auto rows = RunFidelityBench(o);
   if (!rows.ok()) return Fail(rows.status());
   std::printf("bench-fidelity: %d layers x %d held-out draws of %d tokens (%d queries), calibrated on %d other tokens;\n"
-              "layout Hq=%d Hkv=%d D=%d, G=%d, sink %d, recent %d, value target %s, seed %d%s\n\n",
+              "layout Hq=%d Hkv=%d D=%d, G=%d, sink %d, recent %d, value target %s, %s rotations, seed %d%s\n\n",
               o.layers, o.trials, o.test_tokens, o.test_queries, o.calib_tokens, o.spec.num_q_heads,
               o.spec.num_kv_heads, o.spec.head_dim,
               o.fidelity.group_size ? o.fidelity.group_size : o.spec.head_dim,
-              o.fidelity.sink_tokens, o.fidelity.recent_window, vt.c_str(), seed,
+              o.fidelity.sink_tokens, o.fidelity.recent_window, vt.c_str(),
+              o.calibration.per_head ? "per-head" : "per-layer", seed,
               flags.Has("real-queries") ? ", real query covariance" : "");
   std::printf("%s", FormatFidelityTable(*rows).c_str());
   return 0;

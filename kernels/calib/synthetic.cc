@@ -167,7 +167,7 @@ HeadModel BuildHeadModel(const SyntheticSpec& s, int layer, int head) {
     m.query_basis_scale.resize(d);
     for (int j = 0; j < d; ++j) {
       m.query_basis_scale[j] =
-          s.query_latent_std * std::sqrt(std::max(s.query_eigenvalues[j], 0.0) / top);
+          s.query_outlier_std * std::sqrt(std::max(s.query_eigenvalues[j], 0.0) / top);
     }
     for (int j = 0; j < s.latent_rank; ++j) {
       std::vector<float> u(d);
@@ -183,14 +183,17 @@ HeadModel BuildHeadModel(const SyntheticSpec& s, int layer, int head) {
   for (auto& row : m.q_head_mult) {
     for (float& x : row) x = float(0.6 + 0.8 * rng.Uniform());
   }
-  m.value_channels = PickChannels(rng, d, s.value_outlier_channels);
+  // Value outlier channels and the value mean direction are shared by the
+  // layer's heads too (the sign of the mean differs per head).
+  m.value_channels = PickChannels(layer_rng, d, s.value_outlier_channels);
   std::vector<std::vector<float>> vbasis;
   for (int j = 0; j < s.value_latent_rank; ++j) {
     vbasis.push_back(RandomOrthogonalDirection(rng, d, vbasis));
   }
   m.value_latent = vbasis;
-  m.value_mean = RandomOrthogonalDirection(rng, d, {});
-  for (float& x : m.value_mean) x *= s.value_mean;
+  m.value_mean = RandomOrthogonalDirection(layer_rng, d, {});
+  const float mean_sign = rng.Uniform() < 0.5 ? -1.0f : 1.0f;
+  for (float& x : m.value_mean) x *= mean_sign * s.value_mean;
   return m;
 }
 
@@ -291,8 +294,9 @@ absl::StatusOr<SyntheticLayer> GenerateSyntheticLayer(const SyntheticSpec& s, in
         for (int j = 0; j < d; j += 2) qrng.Normal2(&q[j], &q[j + 1]);
         for (int j = 0; j < d; ++j) q[j] = q[j] * s.query_noise_std + mean_q[j];
         const auto& mult = m.q_head_mult[i];
-        for (int c = 0; c < n_out; ++c) {
-          q[m.key_channels[c]] += qrng.Normal() * s.query_outlier_std * std::pow(s.query_decay, float(c)) * mult[c];
+        for (int c = 0; c < n_out && m.query_basis_scale.empty(); ++c) {
+          q[m.key_channels[c]] +=
+              qrng.Normal() * s.query_outlier_std * std::pow(s.query_decay, float(c)) * mult[c];
         }
         if (m.query_basis_scale.empty()) {
           for (size_t j = 0; j < m.latent.size(); ++j) {

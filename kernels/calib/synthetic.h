@@ -46,20 +46,21 @@ struct SyntheticSpec {
   // keys' own covariance KᵀK ranks them first while the query covariance does
   // not: the DESIGN section 3 ablation).
   int key_private_rank = 2;
-  float key_private_std = 6.0f;
+  float key_private_std = 4.0f;
   // Queries: mean along the outlier channels, strong variance on the subspace.
   float query_outlier_mean = 1.0f;  // mean query along each outlier channel (sign matches keys)
   float query_outlier_std = 3.0f;
   float query_latent_std = 1.5f;    // top latent direction; later ones decay by query_decay
   float query_decay = 0.8f;
   float query_noise_std = 0.3f;
-  // Values: milder outliers, a small subspace, noise.
+  // Values: milder outliers (channels shared by the layer's heads), a mean,
+  // a small per-head subspace, noise.
   int value_outlier_channels = 2;
   float value_outlier_std = 4.0f;
   int value_latent_rank = 4;
   float value_latent_std = 2.0f;
   float value_noise_std = 0.3f;
-  float value_mean = 4.0f;          // |mean| along one random value direction
+  float value_mean = 4.0f;          // |mean| along one random direction (per layer, sign per head)
   // Token 0 is an attention sink: the mean query's logit on it is this much
   // (scaled logit units, q·k/sqrt(D)) above the mean logit of other tokens.
   float sink_logit_boost = 6.0f;
@@ -71,9 +72,10 @@ struct SyntheticSpec {
 
   // Optional real query statistics, e.g. from a RotationZoo file
   // (QueryBasisFromRotation): D×D row-major basis whose column j has variance
-  // query_eigenvalues[j]. When set, queries are drawn as sum_j sqrt(l_j) z_j u_j
-  // (plus the outlier-channel mean), and the keys' latent subspace is spanned by
-  // the top latent_rank columns. Empty: the synthetic model above.
+  // query_eigenvalues[j]. When set, queries are the outlier-channel mean plus
+  // sum_j query_outlier_std·sqrt(l_j / l_max)·z_j·u_j (this replaces the
+  // synthetic query variance), and the keys' latent subspace is spanned by the
+  // top latent_rank columns. Empty: the synthetic model above.
   std::vector<double> query_basis;
   std::vector<double> query_eigenvalues;
 };

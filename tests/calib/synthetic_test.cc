@@ -7,6 +7,9 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/calib/calibrate.h"
+#include "kernels/calib/rotationzoo.h"
+#include "kernels/calib/safetensors.h"
 #include "kernels/numeric.h"
 
 namespace oscarkv {
@@ -129,6 +132,48 @@ TEST(Synthetic, GeneratesThirtyTwoKTokensQuickly) {
   const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(l.ok());
   EXPECT_LT(sec, 2.0) << "generation took " << sec << " s";  // ~0.3 s on the dev machine
+}
+
+TEST(Synthetic, RealQueryCovarianceFromRotationZooShapesTheQueries) {
+  auto bytes = ReadFileBytes(std::string(OSCARKV_ROTATIONZOO_DIR) + "/k_rotation_qqt_r_h_pbr.pt");
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto zoo = ParseRotationZoo(*bytes);
+  ASSERT_TRUE(zoo.ok()) << zoo.status();
+  const int layer = 10, d = 128;
+  auto u = QueryBasisFromRotation(zoo->rotation[layer], zoo->eigenvalues[layer], d);
+  ASSERT_TRUE(u.ok());
+  SyntheticSpec s;
+  s.num_q_heads = 4;
+  s.num_kv_heads = 1;
+  s.tokens = 64;
+  s.num_queries = 1500;
+  s.query_outlier_mean = 0;  // centered queries: their covariance is the real one
+  s.query_basis = *u;
+  s.query_eigenvalues.assign(zoo->eigenvalues[layer].begin(), zoo->eigenvalues[layer].end());
+  auto l = GenerateSyntheticLayer(s, 0);
+  ASSERT_TRUE(l.ok()) << l.status();
+  // Top eigenvector of the queries' second moment vs the real top eigenvector.
+  const int top = int(std::max_element(s.query_eigenvalues.begin(), s.query_eigenvalues.end()) -
+                      s.query_eigenvalues.begin());
+  std::vector<double> c(d * d, 0.0);
+  for (int r = 0; r < s.num_queries * 4; ++r)
+    for (int i = 0; i < d; ++i)
+      for (int j = 0; j < d; ++j) c[i * d + j] += double(l->q[r * d + i]) * l->q[r * d + j];
+  auto es = SymmetricEigen(c, d);
+  ASSERT_TRUE(es.ok());
+  double dot = 0;
+  for (int i = 0; i < d; ++i) dot += es->u[i * d + 0] * (*u)[i * d + top];
+  EXPECT_GT(std::fabs(dot), 0.95);
+}
+
+TEST(Synthetic, KnobsOverrideByName) {
+  SyntheticSpec s;
+  ASSERT_TRUE(SetSyntheticKnobs(&s, "key_private_std=2.5,latent_rank=3").ok());
+  EXPECT_EQ(s.key_private_std, 2.5f);
+  EXPECT_EQ(s.latent_rank, 3);
+  EXPECT_THAT(SetSyntheticKnobs(&s, "nope=1").message(), testing::HasSubstr("unknown"));
+  EXPECT_FALSE(SetSyntheticKnobs(&s, "latent_rank=1.5").ok());
+  EXPECT_FALSE(SetSyntheticKnobs(&s, "key_noise_std=abc").ok());
 }
 
 TEST(Synthetic, RejectsBadSpec) {
