@@ -1,0 +1,254 @@
+// Service benchmarks (issue 4), every figure beside its baseline from the same
+// run:
+//   ingest  PutKv throughput (BF16 GB/s over loopback) vs a plain gRPC client
+//           stream of the same message sizes (ByteSink);
+//   attend  Attend p50/p99 per message (1 and 16 sequences of 32K tokens) vs
+//           the same attention called in-process on the server's store;
+//   memory  pool bytes per token actually held vs the codec's figure.
+// Usage: service_bench [--quick]   (quick: smaller sizes, for a smoke run)
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "byte_sink.grpc.pb.h"
+#include "client/kv_client.h"
+#include "grpcpp/create_channel.h"
+#include "grpcpp/server_builder.h"
+#include "server/oscarkv_server.h"
+
+namespace oscarkv {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+double Secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
+
+double Pct(std::vector<double> v, double p) {
+  std::sort(v.begin(), v.end());
+  return v.empty() ? 0 : v[std::min(v.size() - 1, size_t(p * double(v.size() - 1) + 0.5))];
+}
+
+class ByteSinkService final : public bench::ByteSink::CallbackService {
+  grpc::ServerReadReactor<bench::Blob>* Sink(grpc::CallbackServerContext*,
+                                             bench::SinkReply* reply) override {
+    class Reactor : public grpc::ServerReadReactor<bench::Blob> {
+     public:
+      explicit Reactor(bench::SinkReply* r) : reply_(r) { StartRead(&blob_); }
+      void OnReadDone(bool ok) override {
+        if (!ok) {
+          reply_->set_bytes(bytes_);
+          Finish(grpc::Status::OK);
+          return;
+        }
+        bytes_ += int64_t(blob_.k().size() + blob_.v().size());
+        StartRead(&blob_);
+      }
+      void OnDone() override { delete this; }
+
+     private:
+      bench::SinkReply* reply_;
+      bench::Blob blob_;
+      int64_t bytes_ = 0;
+    };
+    return new Reactor(reply);
+  }
+};
+
+std::vector<bf16_bits> RandomBf16(size_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::normal_distribution<float> nd(0.0f, 1.0f);
+  std::vector<bf16_bits> out(n);
+  for (auto& x : out) x = FloatToBf16(nd(rng));
+  return out;
+}
+
+void BenchIngest(bool quick) {
+  const ModelLayout layout{4, 32, 8, 128};  // Qwen3-8B heads, 4 layers
+  const int64_t tokens = quick ? 4096 : 16384;
+  const size_t row = 8 * 128;
+  const size_t n = size_t(layout.num_layers) * tokens * row;
+  const std::vector<bf16_bits> k = RandomBf16(n, 1), v = RandomBf16(n, 2);
+  ServerOptions o;
+  o.backend = "cpu";
+  o.pool_bytes = size_t(1) << 30;
+  o.models = {"q8b4:4:32:8:128"};
+  auto server = OscarkvServer::Start(o, nullptr);
+  if (!server.ok()) {
+    std::printf("ingest: cannot start server: %s\n", server.status().ToString().c_str());
+    return;
+  }
+  ByteSinkService sink_service;
+  grpc::ServerBuilder builder;
+  int sink_port = 0;
+  builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &sink_port);
+  builder.RegisterService(&sink_service);
+  builder.SetMaxReceiveMessageSize(64 << 20);
+  auto sink_server = builder.BuildAndStart();
+
+  std::printf("\n== ingest: %d layers x %lld tokens (Qwen3-8B heads), %.0f MiB BF16 per run\n",
+              layout.num_layers, (long long)tokens, double(2 * n * 2) / (1 << 20));
+  std::printf("%-12s %-22s %-22s %-8s\n", "chunk", "PutKv GB/s", "ByteSink GB/s", "ratio");
+  for (int64_t chunk : {int64_t(1) << 20, int64_t(4) << 20}) {
+    ClientOptions co;
+    co.chunk_bytes = chunk;
+    auto client = KvClient::Create((*server)->address(), co);
+    // PutKv (best of 3).
+    double put_best = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      const std::string id = "ingest-" + std::to_string(chunk) + "-" + std::to_string(rep);
+      const auto t0 = Clock::now();
+      auto r = client->PutSequence(id, "q8b4", layout, tokens, k.data(), v.data());
+      const double s = Secs(Clock::now() - t0);
+      if (!r.ok()) {
+        std::printf("PutKv failed: %s\n", r.status().ToString().c_str());
+        return;
+      }
+      put_best = std::min(put_best, s);
+      (void)client->Drop(id);
+    }
+    // Baseline: the same message sizes on a plain byte stream (best of 3).
+    auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(sink_port),
+                                       grpc::InsecureChannelCredentials());
+    auto stub = bench::ByteSink::NewStub(channel);
+    const int64_t per = std::max<int64_t>(1, chunk / int64_t(row * 4));
+    double sink_best = 1e30;
+    for (int rep = 0; rep < 3; ++rep) {
+      grpc::ClientContext ctx;
+      bench::SinkReply reply;
+      const auto t0 = Clock::now();
+      auto w = stub->Sink(&ctx, &reply);
+      for (int l = 0; l < layout.num_layers; ++l) {
+        for (int64_t t = 0; t < tokens; t += per) {
+          const int64_t m = std::min(per, tokens - t);
+          const size_t off = (size_t(l) * tokens + t) * row;
+          bench::Blob b;
+          b.set_k(reinterpret_cast<const char*>(k.data() + off), m * row * 2);
+          b.set_v(reinterpret_cast<const char*>(v.data() + off), m * row * 2);
+          w->Write(b);
+        }
+      }
+      w->WritesDone();
+      w->Finish();
+      sink_best = std::min(sink_best, Secs(Clock::now() - t0));
+    }
+    const double gb = double(2 * n * 2) / 1e9;
+    std::printf("%-12s %-22.3f %-22.3f %-8.2f\n",
+                (std::to_string(chunk >> 20) + " MiB").c_str(), gb / put_best, gb / sink_best,
+                sink_best / put_best);
+  }
+  std::printf("(PutKv includes the server's rotate+clip+INT2 encode of every history page on "
+              "the CPU backend; the baseline does nothing with the bytes)\n");
+  sink_server->Shutdown();
+}
+
+void BenchAttend(bool quick) {
+  const int tokens = quick ? 8192 : 32768;
+  const ModelLayout layout{1, 32, 8, 128};
+  ServerOptions o;
+  o.backend = "cpu";
+  o.pool_bytes = size_t(768) << 20;
+  o.models = {"q8b1:1:32:8:128"};
+  auto server = OscarkvServer::Start(o, nullptr);
+  if (!server.ok()) {
+    std::printf("attend: cannot start server: %s\n", server.status().ToString().c_str());
+    return;
+  }
+  auto client = KvClient::Create((*server)->address());
+  const size_t row = 8 * 128;
+  const std::vector<bf16_bits> k = RandomBf16(size_t(tokens) * row, 3),
+                               v = RandomBf16(size_t(tokens) * row, 4);
+  for (int s = 0; s < 16; ++s) {
+    auto r = client->PutSequence("att" + std::to_string(s), "q8b1", layout, tokens, k.data(),
+                                 v.data());
+    if (!r.ok()) {
+      std::printf("attend: put failed: %s\n", r.status().ToString().c_str());
+      return;
+    }
+  }
+  std::vector<float> q(32 * 128);
+  std::mt19937_64 rng(5);
+  std::normal_distribution<float> nd;
+  for (float& x : q) x = nd(rng);
+  std::printf("\n== attend: one layer, %d tokens per sequence (Qwen3-8B heads), CPU backend\n",
+              tokens);
+  std::printf("%-6s %-12s %-12s %-16s %-16s %-14s\n", "seqs", "rpc p50 ms", "rpc p99 ms",
+              "in-proc p50 ms", "in-proc p99 ms", "overhead p50 us");
+  auto session = client->OpenAttend();
+  const int reps = quick ? 20 : 60;
+  for (int batch : {1, 16}) {
+    std::vector<AttendQuery> queries;
+    for (int s = 0; s < batch; ++s) queries.push_back(AttendQuery{"att" + std::to_string(s), 0, q.data()});
+    std::vector<double> rpc, local;
+    for (int i = 0; i < reps + 3; ++i) {
+      const auto t0 = Clock::now();
+      auto r = (*session)->Call(queries, {layout}, true);
+      const double s = Secs(Clock::now() - t0);
+      if (!r.ok()) return;
+      if (i >= 3) rpc.push_back(s * 1e3);
+    }
+    std::vector<float> out(q.size()), lse(32);
+    for (int i = 0; i < reps + 3; ++i) {
+      const auto t0 = Clock::now();
+      for (int s = 0; s < batch; ++s) {
+        auto h = (*server)->store().Acquire(queries[s].sequence_id);
+        int64_t n = 0;
+        (void)(*server)->store().Attend(*h, 0, q.data(), nullptr, nullptr, -1, out.data(),
+                                        lse.data(), &n);
+      }
+      if (i >= 3) local.push_back(Secs(Clock::now() - t0) * 1e3);
+    }
+    std::printf("%-6d %-12.3f %-12.3f %-16.3f %-16.3f %-14.0f\n", batch, Pct(rpc, 0.5),
+                Pct(rpc, 0.99), Pct(local, 0.5), Pct(local, 0.99),
+                (Pct(rpc, 0.5) - Pct(local, 0.5)) * 1e3);
+  }
+  (void)(*session)->Close();
+}
+
+void BenchMemory() {
+  std::printf("\n== memory: pool bytes per token per layer vs the codec's figure (Qwen3-8B "
+              "heads, S0 64, W 256, P 32, G 128)\n");
+  std::printf("%-8s %-16s %-16s %-10s\n", "tokens", "pool B/token", "codec B/token", "overhead");
+  const ModelLayout layout{1, 32, 8, 128};
+  ServerOptions o;
+  o.backend = "cpu";
+  o.pool_bytes = size_t(256) << 20;
+  o.models = {"q8b1:1:32:8:128"};
+  auto server = OscarkvServer::Start(o, nullptr);
+  if (!server.ok()) return;
+  auto client = KvClient::Create((*server)->address());
+  const size_t row = 8 * 128;
+  for (int tokens : {4096, 32768, 131072}) {
+    const std::vector<bf16_bits> k = RandomBf16(size_t(tokens) * row, 6);
+    auto r = client->PutSequence("mem", "q8b1", layout, tokens, k.data(), k.data());
+    if (!r.ok()) {
+      std::printf("%-8d (put failed: %s)\n", tokens, r.status().ToString().c_str());
+      continue;
+    }
+    const double elems = double(row) * 2;  // K and V per token
+    const double codec_bits = (16.0 * (64 + 256) + 2.25 * (tokens - 64 - 256)) / tokens;
+    const double codec = codec_bits * elems / 8;
+    const double pool = double(r->stored_bytes) / tokens;
+    std::printf("%-8d %-16.1f %-16.1f %+.2f%%\n", tokens, pool, codec, 100 * (pool / codec - 1));
+    (void)client->Drop("mem");
+  }
+  std::printf("(pool bytes count whole slots: partly filled BF16 blocks, and the recent tier "
+              "holding W..W+P-1 tokens where the codec figure assumes exactly W)\n");
+}
+
+}  // namespace
+}  // namespace oscarkv
+
+int main(int argc, char** argv) {
+  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
+  std::printf("oscarkv service bench (%s), %u hardware threads\n", quick ? "quick" : "full",
+              std::thread::hardware_concurrency());
+  oscarkv::BenchMemory();
+  oscarkv::BenchAttend(quick);
+  oscarkv::BenchIngest(quick);
+  return 0;
+}
