@@ -78,8 +78,14 @@ void BenchIngest(bool quick) {
   o.pool_bytes = size_t(1) << 30;
   o.models = {"q8b4:4:32:8:128"};
   auto server = OscarkvServer::Start(o, nullptr);
-  if (!server.ok()) {
-    std::printf("ingest: cannot start server: %s\n", server.status().ToString().c_str());
+  // The same service with a recent window longer than the sequence: every
+  // token stays BF16, so no page is encoded. Isolates the RPC/store path.
+  ServerOptions raw = o;
+  raw.tiers.recent_window = 65536;
+  raw.exact_fraction = 0.9;
+  auto raw_server = OscarkvServer::Start(raw, nullptr);
+  if (!server.ok() || !raw_server.ok()) {
+    std::printf("ingest: cannot start servers\n");
     return;
   }
   ByteSinkService sink_service;
@@ -92,25 +98,31 @@ void BenchIngest(bool quick) {
 
   std::printf("\n== ingest: %d layers x %lld tokens (Qwen3-8B heads), %.0f MiB BF16 per run\n",
               layout.num_layers, (long long)tokens, double(2 * n * 2) / (1 << 20));
-  std::printf("%-12s %-22s %-22s %-8s\n", "chunk", "PutKv GB/s", "ByteSink GB/s", "ratio");
+  std::printf("%-10s %-16s %-22s %-16s %-14s %-14s\n", "chunk", "PutKv GB/s",
+              "PutKv no-encode GB/s", "ByteSink GB/s", "PutKv/base", "no-enc/base");
   for (int64_t chunk : {int64_t(1) << 20, int64_t(4) << 20}) {
     ClientOptions co;
     co.chunk_bytes = chunk;
-    auto client = KvClient::Create((*server)->address(), co);
-    // PutKv (best of 3).
-    double put_best = 1e30;
-    for (int rep = 0; rep < 3; ++rep) {
-      const std::string id = "ingest-" + std::to_string(chunk) + "-" + std::to_string(rep);
-      const auto t0 = Clock::now();
-      auto r = client->PutSequence(id, "q8b4", layout, tokens, k.data(), v.data());
-      const double s = Secs(Clock::now() - t0);
-      if (!r.ok()) {
-        std::printf("PutKv failed: %s\n", r.status().ToString().c_str());
-        return;
+    // PutKv (best of 3), with and without encoding.
+    auto put = [&](OscarkvServer& srv) {
+      auto client = KvClient::Create(srv.address(), co);
+      double best = 1e30;
+      for (int rep = 0; rep < 3; ++rep) {
+        const std::string id = "ingest-" + std::to_string(chunk) + "-" + std::to_string(rep);
+        const auto t0 = Clock::now();
+        auto r = client->PutSequence(id, "q8b4", layout, tokens, k.data(), v.data());
+        const double s = Secs(Clock::now() - t0);
+        if (!r.ok()) {
+          std::printf("PutKv failed: %s\n", r.status().ToString().c_str());
+          return 1e30;
+        }
+        best = std::min(best, s);
+        (void)client->Drop(id);
       }
-      put_best = std::min(put_best, s);
-      (void)client->Drop(id);
-    }
+      return best;
+    };
+    const double put_best = put(**server);
+    const double raw_best = put(**raw_server);
     // Baseline: the same message sizes on a plain byte stream (best of 3).
     auto channel = grpc::CreateChannel("127.0.0.1:" + std::to_string(sink_port),
                                        grpc::InsecureChannelCredentials());
@@ -137,9 +149,9 @@ void BenchIngest(bool quick) {
       sink_best = std::min(sink_best, Secs(Clock::now() - t0));
     }
     const double gb = double(2 * n * 2) / 1e9;
-    std::printf("%-12s %-22.3f %-22.3f %-8.2f\n",
-                (std::to_string(chunk >> 20) + " MiB").c_str(), gb / put_best, gb / sink_best,
-                sink_best / put_best);
+    std::printf("%-10s %-16.3f %-22.3f %-16.3f %-14.2f %-14.2f\n",
+                (std::to_string(chunk >> 20) + " MiB").c_str(), gb / put_best, gb / raw_best,
+                gb / sink_best, sink_best / put_best, sink_best / raw_best);
   }
   std::printf("(PutKv includes the server's rotate+clip+INT2 encode of every history page on "
               "the CPU backend; the baseline does nothing with the bytes)\n");
@@ -170,39 +182,50 @@ void BenchAttend(bool quick) {
       return;
     }
   }
+  for (int s = 0; s < 16; ++s) {
+    auto r = client->PutSequence("small" + std::to_string(s), "q8b1", layout, 64, k.data(),
+                                 v.data());
+    if (!r.ok()) return;
+  }
   std::vector<float> q(32 * 128);
   std::mt19937_64 rng(5);
   std::normal_distribution<float> nd;
   for (float& x : q) x = nd(rng);
   std::printf("\n== attend: one layer, %d tokens per sequence (Qwen3-8B heads), CPU backend\n",
               tokens);
-  std::printf("%-6s %-12s %-12s %-16s %-16s %-14s\n", "seqs", "rpc p50 ms", "rpc p99 ms",
+  std::printf("%-6s %-7s %-12s %-12s %-16s %-16s %-14s\n", "seqs", "tokens", "rpc p50 ms", "rpc p99 ms",
               "in-proc p50 ms", "in-proc p99 ms", "overhead p50 us");
   auto session = client->OpenAttend();
   const int reps = quick ? 20 : 60;
-  for (int batch : {1, 16}) {
+  // "small": 64-token sequences, where the compute is negligible and the
+  // difference is the RPC path alone.
+  for (const auto& [batch, prefix] : std::vector<std::pair<int, std::string>>{
+           {1, "att"}, {16, "att"}, {1, "small"}, {16, "small"}}) {
     std::vector<AttendQuery> queries;
-    for (int s = 0; s < batch; ++s) queries.push_back(AttendQuery{"att" + std::to_string(s), 0, q.data()});
+    for (int s = 0; s < batch; ++s) queries.push_back(AttendQuery{prefix + std::to_string(s), 0, q.data()});
     std::vector<double> rpc, local;
+    std::vector<float> out(q.size()), lse(32);
+    // Interleaved so that drift (frequency, other load) hits both alike.
     for (int i = 0; i < reps + 3; ++i) {
-      const auto t0 = Clock::now();
+      auto t0 = Clock::now();
       auto r = (*session)->Call(queries, {layout}, true);
       const double s = Secs(Clock::now() - t0);
       if (!r.ok()) return;
-      if (i >= 3) rpc.push_back(s * 1e3);
-    }
-    std::vector<float> out(q.size()), lse(32);
-    for (int i = 0; i < reps + 3; ++i) {
-      const auto t0 = Clock::now();
-      for (int s = 0; s < batch; ++s) {
-        auto h = (*server)->store().Acquire(queries[s].sequence_id);
+      t0 = Clock::now();
+      for (int j = 0; j < batch; ++j) {
+        auto h = (*server)->store().Acquire(queries[j].sequence_id);
         int64_t n = 0;
         (void)(*server)->store().Attend(*h, 0, q.data(), nullptr, nullptr, -1, out.data(),
                                         lse.data(), &n);
       }
-      if (i >= 3) local.push_back(Secs(Clock::now() - t0) * 1e3);
+      const double l = Secs(Clock::now() - t0);
+      if (i >= 3) {
+        rpc.push_back(s * 1e3);
+        local.push_back(l * 1e3);
+      }
     }
-    std::printf("%-6d %-12.3f %-12.3f %-16.3f %-16.3f %-14.0f\n", batch, Pct(rpc, 0.5),
+    std::printf("%-6d %-7d %-12.3f %-12.3f %-16.3f %-16.3f %-14.0f\n", batch,
+                prefix == "att" ? tokens : 64, Pct(rpc, 0.5),
                 Pct(rpc, 0.99), Pct(local, 0.5), Pct(local, 0.99),
                 (Pct(rpc, 0.5) - Pct(local, 0.5)) * 1e3);
   }
@@ -222,7 +245,7 @@ void BenchMemory() {
   if (!server.ok()) return;
   auto client = KvClient::Create((*server)->address());
   const size_t row = 8 * 128;
-  for (int tokens : {4096, 32768, 131072}) {
+  for (int tokens : {4096, 4113, 32768, 32785, 32799, 131072}) {
     const std::vector<bf16_bits> k = RandomBf16(size_t(tokens) * row, 6);
     auto r = client->PutSequence("mem", "q8b1", layout, tokens, k.data(), k.data());
     if (!r.ok()) {
