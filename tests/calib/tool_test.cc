@@ -68,6 +68,21 @@ TEST(Tool, DumpToCalibrationFileTheLoaderAccepts) {
   EXPECT_FALSE(rot->calibrated());
 }
 
+TEST(Tool, BenchFidelityPrintsEveryMethodSideBySide) {
+  std::string out;
+  ASSERT_EQ(RunTool("bench-fidelity --layers 1 --q-heads 8 --kv-heads 2 --head-dim 64 "
+                    "--calib-tokens 128 --tokens 256 --queries 4 --trials 1 --sink 16 --recent 32",
+                    &out),
+            0)
+      << out;
+  for (const char* m : {"none ", "hadamard ", "oscar ", "oscar+clip ", "ablation-kkt/vvt "}) {
+    EXPECT_THAT(out, HasSubstr(m));
+  }
+  EXPECT_THAT(out, HasSubstr("vs_had"));
+  EXPECT_EQ(RunTool("bench-fidelity --spec no_such_knob=1", &out), 2);
+  EXPECT_THAT(out, HasSubstr("unknown synthetic knob"));
+}
+
 TEST(Tool, ImportRotationZooAndRefuseBadInput) {
   const std::string calib = ::testing::TempDir() + "/tool_zoo.safetensors";
   const std::string k = kDir + "/k_rotation_qqt_r_h_pbr.pt", v = kDir + "/v_rotation_sst_r_h_pbr.pt";
