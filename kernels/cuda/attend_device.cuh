@@ -55,6 +55,13 @@ struct Cfg {
   static constexpr bool kPrefetch = D <= 128;
 };
 
+// Warp index the compiler can prove warp-uniform (a shuffle from lane 0), so
+// warp-collective code inside per-warp loops compiles without the divergence
+// fallback (WARPSYNC / ENDCOLLECTIVE around every shuffle).
+__device__ __forceinline__ int WarpIndex() {
+  return __shfl_sync(kFull, static_cast<int>(threadIdx.x) >> 5, 0);
+}
+
 __device__ __forceinline__ void MmaF16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
                                        uint32_t a3, uint32_t b0, uint32_t b1) {
   asm volatile(

@@ -25,10 +25,19 @@ struct HistoryWarp {
   // bytes of chunk 0.
   size_t k_thread, v_thread, kp_thread, vp_thread;
 
-  __device__ void Init(const LaunchArgs& a, int item, int h, int lane) {
+  // Lane layout and page offsets (no data from the prep kernel needed).
+  __device__ void InitOffsets(const PageGeometry& geom, int h, int lane) {
     r = lane >> 2;
     c = lane & 3;
     hh0 = G8 ? 2 * c : 2 * (c & 1);
+    k_thread = geom.codes_offset(h, 0) + size_t(r) * (D / 4) + c * (D / 16);
+    kp_thread = geom.params_offset(h, 0) + size_t(r) * NG * 4;
+    v_thread = geom.codes_offset(h, 1) + size_t(2 * c) * (D / 4) + r * C::VB;
+    vp_thread = geom.params_offset(h, 1) + size_t(r) * NG * 4;
+  }
+
+  // The query fragments and sums from the prep kernel; zero state.
+  __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
     const uint32_t* qf =
         a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (C::NT * C::KS * 2 * 32);
 #pragma unroll
@@ -56,19 +65,18 @@ struct HistoryWarp {
       for (int mt = 0; mt < C::MT; ++mt)
 #pragma unroll
         for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
-    k_thread = a.geom.codes_offset(h, 0) + size_t(r) * (D / 4) + c * (D / 16);
-    kp_thread = a.geom.params_offset(h, 0) + size_t(r) * NG * 4;
-    v_thread = a.geom.codes_offset(h, 1) + size_t(2 * c) * (D / 4) + r * C::VB;
-    vp_thread = a.geom.params_offset(h, 1) + size_t(r) * NG * 4;
   }
 
   __device__ __forceinline__ void Load(Regs& x, const uint8_t* page, int chunk) const {
-    // Per-thread base pointers of this chunk; every load below then uses a
-    // compile-time offset (no per-load address arithmetic).
+    LoadK(x, page, chunk);
+    LoadV(x, page, chunk);
+  }
+
+  // The K half (codes and params) of a chunk. Per-thread base pointers; every
+  // load then uses a compile-time offset (no per-load address arithmetic).
+  __device__ __forceinline__ void LoadK(Regs& x, const uint8_t* page, int chunk) const {
     const uint8_t* kb = page + k_thread + size_t(chunk) * (32 * D / 4);
-    const uint8_t* vb = page + v_thread + size_t(chunk) * (32 * D / 4);
     const uint8_t* kpb = page + kp_thread + size_t(chunk) * (32 * NG * 4);
-    const uint8_t* vpb = page + vp_thread + size_t(chunk) * (32 * NG * 4);
     constexpr int kRowOff[4] = {0, 8, 16, 24};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
@@ -84,10 +92,19 @@ struct HistoryWarp {
         }
       }
 #pragma unroll
-      for (int gi = 0; gi < NG; ++gi) {
-        x.kp[i][gi] = Ld32(kpb + (kRowOff[i] * NG + gi) * 4);
-        x.vp[i][gi] = Ld32(vpb + (kRowOff[i] * NG + gi) * 4);
-      }
+      for (int gi = 0; gi < NG; ++gi) x.kp[i][gi] = Ld32(kpb + (kRowOff[i] * NG + gi) * 4);
+    }
+  }
+
+  // The V half (codes and params) of a chunk.
+  __device__ __forceinline__ void LoadV(Regs& x, const uint8_t* page, int chunk) const {
+    const uint8_t* vb = page + v_thread + size_t(chunk) * (32 * D / 4);
+    const uint8_t* vpb = page + vp_thread + size_t(chunk) * (32 * NG * 4);
+    constexpr int kRowOff[4] = {0, 8, 16, 24};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) x.vp[i][gi] = Ld32(vpb + (kRowOff[i] * NG + gi) * 4);
     }
     constexpr int kTokOff[4] = {0, 1, 8, 9};
 #pragma unroll
@@ -109,8 +126,14 @@ struct HistoryWarp {
   }
 
   __device__ __forceinline__ void Process(const Regs& x) {
-    // Logits (base 2) of tokens {r, r+8} of each 16-token tile, heads hh0 + (j & 1).
     float lg[2][4];
+    Logits(x, lg);
+    Accumulate(x, lg);
+  }
+
+  // Logits (base 2) of tokens {r, r+8} of each 16-token tile, heads hh0 + (j & 1),
+  // from the K half of a chunk. No state is touched.
+  __device__ __forceinline__ void Logits(const Regs& x, float (&lg)[2][4]) const {
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
       constexpr int kChains = C::KW >= 2 ? 2 : 1;  // independent MMA accumulation chains
@@ -164,7 +187,11 @@ struct HistoryWarp {
         lg[tau][e] = v;
       }
     }
+  }
 
+  // Online softmax, P' and O' += P'V for one chunk, from its logits and the V
+  // half of the chunk.
+  __device__ __forceinline__ void Accumulate(const Regs& x, const float (&lg)[2][4]) {
     // Online softmax over the chunk (max over the 32 tokens of each head).
     float cm[2];
 #pragma unroll

@@ -62,7 +62,7 @@ __global__ void __launch_bounds__(kPrepThreads) PrepKernel(LaunchArgs a) {
     for (int hh = 0; hh < 8; ++hh) acc[hh] = 0.0f;
     if (has_history) {
       const float* rk = item.rotation.r_k + item.rotation.stride * h;
-#pragma unroll 16
+#pragma unroll
       for (int ii = 0; ii < kRows; ++ii) {
         const int i = slice * kRows + ii;
         const float rv = __ldg(rk + size_t(i) * D + d);
@@ -86,7 +86,7 @@ __global__ void __launch_bounds__(kPrepThreads) PrepKernel(LaunchArgs a) {
     qs[hh][d] = s * a.scale_log2;
   }
   __syncthreads();
-  const int warp = tid >> 5, lane = tid & 31;
+  const int warp = WarpIndex(), lane = tid & 31;
   if (warp < g) {
     const int hh = warp;
     float mx = 0.0f;
@@ -164,16 +164,19 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
   }
 }
 
-template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch>
+// kPrefetch: register double buffer of whole chunks. kPipeline: software
+// pipeline, QK of chunk i+1 next to softmax / PV of chunk i (two independent
+// instruction streams per warp), K and V halves loaded on separate schedules.
+template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
   constexpr int HG = C::HG;
   __shared__ float sm_o[kWarps][HG][D];
   __shared__ float sm_m[kWarps][HG];
   __shared__ float sm_l[kWarps][HG];
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  WaitForPrerequisites();  // the prep kernel's query fragments
-  LaunchDependents();
+  const int warp = WarpIndex(), lane = threadIdx.x & 31;
+  // Work and page tables were uploaded before the prep kernel ran: safe to
+  // read before waiting for it.
   const WorkUnit wu = a.work[blockIdx.x];
   const ItemPlan& item = a.items[wu.item];
   if (lane < HG) {
@@ -182,6 +185,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   }
   __syncwarp();
   if (wu.exact) {
+    WaitForPrerequisites();  // the prep kernel's scaled queries
+    LaunchDependents();
     // Exact blocks [begin, end); each block's tokens split over the 4 warps.
     ExactWarp<D, HG> ex;
     ex.Init(a, wu.item, wu.kv_head, lane);
@@ -199,46 +204,88 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   } else {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (wu.end - wu.begin) * cpp;
-    if (warp < n) {
-      HistoryWarp<D, NG, G8> hw;
-      hw.Init(a, wu.item, wu.kv_head, lane);
-      // Page pointers for iterations [base, base + 32), one per lane.
-      int base = 0;
-      auto chunk_of = [&](int it) { return warp + kWarps * it; };
-      auto fetch_ptr = [&](int it0) -> const uint8_t* {
-        const int ci = chunk_of(it0 + lane);
-        return ci < n ? item.pages[wu.begin + ci / cpp] : nullptr;
-      };
-      const uint8_t* my_ptr = fetch_ptr(0);
-      auto page_of = [&](int it) -> const uint8_t* {
-        if (it >= base + 32) {
-          base += 32;
-          my_ptr = fetch_ptr(base);
-        }
-        return reinterpret_cast<const uint8_t*>(
-            __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
-      };
-      const int iters = (n - warp + kWarps - 1) / kWarps;
-      typename HistoryWarp<D, NG, G8>::Regs ra, rb;
-      hw.Load(ra, page_of(0), chunk_of(0) % cpp);
-      int it = 0;
-      if constexpr (kPrefetch) {
-        while (true) {
-          if (it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
-          hw.Process(ra);
-          if (++it >= iters) break;
-          if (it + 1 < iters) hw.Load(ra, page_of(it + 1), chunk_of(it + 1) % cpp);
-          hw.Process(rb);
-          if (++it >= iters) break;
-        }
-      } else {
-        while (true) {
-          hw.Process(ra);
-          if (++it >= iters) break;
-          hw.Load(ra, page_of(it), chunk_of(it) % cpp);
-        }
+    HistoryWarp<D, NG, G8> hw;
+    hw.InitOffsets(a.geom, wu.kv_head, lane);
+    // Page pointers for iterations [base, base + 32), one per lane.
+    int base = 0;
+    auto chunk_of = [&](int it) { return warp + kWarps * it; };
+    auto fetch_ptr = [&](int it0) -> const uint8_t* {
+      const int ci = chunk_of(it0 + lane);
+      return ci < n ? item.pages[wu.begin + ci / cpp] : nullptr;
+    };
+    const uint8_t* my_ptr = fetch_ptr(0);
+    auto page_of = [&](int it) -> const uint8_t* {
+      if (it >= base + 32) {
+        base += 32;
+        my_ptr = fetch_ptr(base);
       }
-      hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
+      return reinterpret_cast<const uint8_t*>(
+          __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
+    };
+    const int iters = warp < n ? (n - warp + kWarps - 1) / kWarps : 0;
+    typename HistoryWarp<D, NG, G8>::Regs ra, rb;
+    if constexpr (kPipeline) {
+      // ra / rb: K halves (QK); va / vb: V halves (PV). At the loop top:
+      // lga = logits(it), va = V(it), rb = K(it+1), ra = K(it+2) and
+      // vb = V(it+1) in flight. Loads go in non-decreasing chunk order.
+      typename HistoryWarp<D, NG, G8>::Regs va = {}, vb = {};
+      ra = {};
+      rb = {};
+      float lga[2][4], lgb[2][4];
+      if (iters > 0) {
+        hw.LoadK(ra, page_of(0), chunk_of(0) % cpp);
+        hw.LoadV(va, page_of(0), chunk_of(0) % cpp);
+      }
+      if (iters > 1) hw.LoadK(rb, page_of(1), chunk_of(1) % cpp);
+      WaitForPrerequisites();  // the prep kernel's query fragments
+      LaunchDependents();
+      if (iters > 0) {
+        hw.InitQuery(a, wu.item, wu.kv_head, lane);
+        hw.Logits(ra, lga);
+        if (iters > 1) hw.LoadV(vb, page_of(1), chunk_of(1) % cpp);
+        if (iters > 2) hw.LoadK(ra, page_of(2), chunk_of(2) % cpp);
+        int it = 0;
+        while (true) {
+          hw.Logits(rb, lgb);  // chunk it+1 (unused past the end)
+          hw.Accumulate(va, lga);
+          if (++it >= iters) break;
+          if (it + 1 < iters) hw.LoadV(va, page_of(it + 1), chunk_of(it + 1) % cpp);
+          if (it + 2 < iters) hw.LoadK(rb, page_of(it + 2), chunk_of(it + 2) % cpp);
+          hw.Logits(ra, lga);  // chunk it+1
+          hw.Accumulate(vb, lgb);
+          if (++it >= iters) break;
+          if (it + 1 < iters) hw.LoadV(vb, page_of(it + 1), chunk_of(it + 1) % cpp);
+          if (it + 2 < iters) hw.LoadK(ra, page_of(it + 2), chunk_of(it + 2) % cpp);
+        }
+        hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
+      }
+    } else {
+      // The first chunks' loads overlap the prep kernel.
+      if (iters > 0) hw.Load(ra, page_of(0), chunk_of(0) % cpp);
+      if (kPrefetch && iters > 1) hw.Load(rb, page_of(1), chunk_of(1) % cpp);
+      WaitForPrerequisites();  // the prep kernel's query fragments
+      LaunchDependents();
+      if (iters > 0) {
+        hw.InitQuery(a, wu.item, wu.kv_head, lane);
+        int it = 0;
+        if constexpr (kPrefetch) {
+          while (true) {
+            hw.Process(ra);
+            if (++it >= iters) break;
+            if (it + 1 < iters) hw.Load(ra, page_of(it + 1), chunk_of(it + 1) % cpp);
+            hw.Process(rb);
+            if (++it >= iters) break;
+            if (it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
+          }
+        } else {
+          while (true) {
+            hw.Process(ra);
+            if (++it >= iters) break;
+            hw.Load(ra, page_of(it), chunk_of(it) % cpp);
+          }
+        }
+        hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
+      }
     }
   }
   WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
@@ -250,7 +297,7 @@ template <int D>
 __device__ float CombinePartials(const LaunchArgs& a, int first, int count, int hh, float* o,
                                  float (*sm_a)[D], float* sm_m, float* sm_l) {
   constexpr int EL = D / 32;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int warp = WarpIndex(), lane = threadIdx.x & 31;
   const int g = a.g;
   float m = -INFINITY, l = 0.0f, acc[EL];
 #pragma unroll
@@ -308,55 +355,69 @@ __device__ float CombinePartials(const LaunchArgs& a, int first, int count, int 
   return L > 0.0f ? M + log2f(L) : -INFINITY;
 }
 
-// One block per (item, query head): combine history partials, un-rotate
-// (o'·R_Vᵀ), combine exact partials, merge the two with the online-softmax
-// rule exactly like MergeAttention, write out and lse (natural log).
+// One block per (item, query head, slice of 32 output dims): combine history
+// partials, un-rotate (o'·R_Vᵀ) the slice, combine exact partials, merge the
+// two with the online-softmax rule exactly like MergeAttention, write the
+// slice of out (and lse from slice 0). The R_V rows of the slice are loaded
+// before waiting for the split kernel, so their latency is hidden.
 template <int D>
 __global__ void __launch_bounds__(kThreads) MergeKernel(LaunchArgs a) {
+  constexpr int EL = D / 32, kSlice = 32, kPerWarp = kSlice / kWarps;
   __shared__ float sm_a[kWarps][D];
   __shared__ float sm_m[kWarps], sm_l[kWarps];
-  __shared__ float o_rot[D], o_hist[D], o_exact[D];
-  const int item_idx = blockIdx.x, qh = blockIdx.y;
-  WaitForPrerequisites();  // the split kernel's partials
-  const ItemPlan& item = a.items[item_idx];
+  __shared__ float o_rot[D], o_hist[kSlice], o_exact[D];
+  const int item_idx = blockIdx.x, qh = blockIdx.y, j0 = blockIdx.z * kSlice;
+  const int warp = WarpIndex(), lane = threadIdx.x & 31;
+  const ItemPlan& item = a.items[item_idx];  // uploaded before the prep kernel
   const int g = a.g, h = qh / g, hh = qh % g;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  float rr[kPerWarp][EL];
+  if (item.num_pages > 0) {
+    const float* rv = item.rotation.r_v + item.rotation.stride * h;
+#pragma unroll
+    for (int jj = 0; jj < kPerWarp; ++jj) {
+      const int j = j0 + warp * kPerWarp + jj;
+#pragma unroll
+      for (int e = 0; e < EL; ++e) rr[jj][e] = __ldg(rv + size_t(j) * D + lane + 32 * e);
+    }
+  }
+  WaitForPrerequisites();  // the split kernel's partials
 
   const float lse_h2 = CombinePartials<D>(a, item.hist_begin + h * item.hist_splits,
                                           item.hist_splits, hh, o_rot, sm_a, sm_m, sm_l);
   if (lse_h2 != -INFINITY) {
-    const float* rv = item.rotation.r_v + item.rotation.stride * h;
-#pragma unroll 8
-    for (int j = warp; j < D; j += kWarps) {
+#pragma unroll
+    for (int jj = 0; jj < kPerWarp; ++jj) {
       float s = 0.0f;
 #pragma unroll
-      for (int e = 0; e < D / 32; ++e) s = fmaf(o_rot[lane + 32 * e], rv[size_t(j) * D + lane + 32 * e], s);
+      for (int e = 0; e < EL; ++e) s = fmaf(o_rot[lane + 32 * e], rr[jj][e], s);
+#pragma unroll
       for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
-      if (lane == 0) o_hist[j] = s;
+      if (lane == 0) o_hist[warp * kPerWarp + jj] = s;
     }
   } else {
-    for (int d = threadIdx.x; d < D; d += kThreads) o_hist[d] = 0.0f;
+    if (threadIdx.x < kSlice) o_hist[threadIdx.x] = 0.0f;
   }
   const float lse_e2 = CombinePartials<D>(a, item.exact_begin + h * item.exact_splits,
                                           item.exact_splits, hh, o_exact, sm_a, sm_m, sm_l);
   const float lse_a = lse_e2 == -INFINITY ? -INFINITY : lse_e2 * kLn2;
   const float lse_b = lse_h2 == -INFINITY ? -INFINITY : lse_h2 * kLn2;
   const float mx = fmaxf(lse_a, lse_b);
-  float* out = item.out + size_t(qh) * D;
+  float* out = item.out + size_t(qh) * D + j0;
   if (mx == -INFINITY) {
-    for (int d = threadIdx.x; d < D; d += kThreads) out[d] = 0.0f;
-    if (threadIdx.x == 0 && item.lse != nullptr) item.lse[qh] = -INFINITY;
+    if (threadIdx.x < kSlice) out[threadIdx.x] = 0.0f;
+    if (threadIdx.x == 0 && blockIdx.z == 0 && item.lse != nullptr) item.lse[qh] = -INFINITY;
     return;
   }
   const float wa = lse_a == -INFINITY ? 0.0f : expf(lse_a - mx);
   const float wb = lse_b == -INFINITY ? 0.0f : expf(lse_b - mx);
   const float inv = 1.0f / (wa + wb);
-  for (int d = threadIdx.x; d < D; d += kThreads) {
-    const float x = wa > 0.0f ? wa * o_exact[d] : 0.0f;
+  if (threadIdx.x < kSlice) {
+    const int d = threadIdx.x;
+    const float x = wa > 0.0f ? wa * o_exact[j0 + d] : 0.0f;
     const float y = wb > 0.0f ? wb * o_hist[d] : 0.0f;
     out[d] = (x + y) * inv;
   }
-  if (threadIdx.x == 0 && item.lse != nullptr) item.lse[qh] = mx + logf(wa + wb);
+  if (threadIdx.x == 0 && blockIdx.z == 0 && item.lse != nullptr) item.lse[qh] = mx + logf(wa + wb);
 }
 
 // Launches `kernel` with programmatic stream serialization (PDL) allowed.
@@ -377,12 +438,15 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
   return absl::OkStatus();
 }
 
-// Variant 1 (D = 128, one group only): 4 resident blocks per SM, no prefetch.
+// Variants: 0 = 3 resident blocks per SM with a register double buffer;
+// 1 (D = 128, one group only) = 4 blocks per SM, no prefetch; 2 = software
+// pipeline (QK of the next chunk next to PV of this one), 3 blocks per SM.
 template <int D, int NG, bool G8>
 auto SplitKernelFor(int variant) {
   if constexpr (D == 128 && NG == 1) {
     if (variant == 1) return &SplitKernel<D, NG, G8, 4, false>;
   }
+  if (variant == 2) return &SplitKernel<D, NG, G8, 3, false, true>;
   return &SplitKernel<D, NG, G8, 3, Cfg<D, NG, G8>::kPrefetch>;
 }
 
@@ -395,7 +459,7 @@ absl::Status LaunchTyped(const LaunchArgs& a, const LaunchShape& s, cudaStream_t
         LaunchPdl(SplitKernelFor<D, NG, G8>(s.variant), dim3(s.num_work), dim3(kThreads), stream, a));
   }
   OSCARKV_RETURN_IF_ERROR(
-      LaunchPdl(MergeKernel<D>, dim3(s.num_items, s.hq), dim3(kThreads), stream, a));
+      LaunchPdl(MergeKernel<D>, dim3(s.num_items, s.hq, D / 32), dim3(kThreads), stream, a));
   return absl::OkStatus();
 }
 

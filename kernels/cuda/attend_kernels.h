@@ -56,7 +56,9 @@ class AttendLauncher {
 
   // Split-kernel variant for benchmarks: 0 = 3 blocks/SM with register
   // prefetch of the next chunk (default), 1 = 4 blocks/SM without (D = 128,
-  // G = D only; other shapes ignore it). Takes effect at the next Prepare().
+  // G = D only; other shapes use 0), 2 = software-pipelined (QK of the next
+  // chunk next to PV of this one). Takes effect at the next Prepare().
+  // The environment variable OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
   void set_variant(int variant) { variant_ = variant; }
 
  private:

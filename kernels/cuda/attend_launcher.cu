@@ -4,6 +4,7 @@
 // pinned memory, and launches.
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <vector>
 
@@ -99,6 +100,8 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   int sms = 0;
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   std::unique_ptr<AttendLauncher> l(new AttendLauncher(device, sms));
+  // Operators (and the GPU tests) may pick the split-kernel variant.
+  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_VARIANT")) l->variant_ = std::atoi(v);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
   return l;
 }

@@ -46,35 +46,48 @@ __device__ __forceinline__ const float* RowRotation(const RotationRef& r, int ki
   return (kind == 0 ? r.r_k : r.r_v) + r.stride * h;
 }
 
-// Clip, quantize and pack one rotated row held in shared memory; one warp.
+// Clip thresholds of R rotated rows held in shared memory; one warp, the R
+// searches interleaved so their reductions overlap. tau = the k-th smallest
+// |y| (1-based, k = ClipRank), found by a bitwise search on the float bits of
+// |y| (monotone for non-negative floats): exactly nth_element's answer.
+// Rows with clip >= 1 get tau = +inf (no clipping).
+template <int D, int R>
+__device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const float (&clip)[R],
+                                   float (&tau)[R], int lane) {
+  constexpr int E = D / 32;
+  uint32_t u[R][E], x[R];
+  int k[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) u[r][i] = __float_as_uint(fabsf(yrows[r][lane + 32 * i]));
+    k[r] = DeviceClipRank(clip[r] < 1.0f ? clip[r] : 1.0f, D);
+    x[r] = 0;
+  }
+  for (int b = 30; b >= 0; --b) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      const uint32_t t = x[r] | (1u << b);
+      int cnt = 0;
+#pragma unroll
+      for (int i = 0; i < E; ++i) cnt += u[r][i] < t ? 1 : 0;
+      cnt = __reduce_add_sync(0xffffffffu, cnt);
+      if (cnt < k[r]) x[r] = t;
+    }
+  }
+#pragma unroll
+  for (int r = 0; r < R; ++r) tau[r] = clip[r] < 1.0f ? __uint_as_float(x[r]) : INFINITY;
+}
+
+// Clamp to [-tau, tau], quantize and pack one rotated row held in shared
+// memory; one warp.
 template <int D>
-__device__ void QuantizeRowWarp(const float* yrow, int group, float clip, uint8_t* codes_out,
+__device__ void QuantizeRowWarp(const float* yrow, int group, float tau, uint8_t* codes_out,
                                 QuantParams* params_out, uint8_t* q, int lane) {
   constexpr int E = D / 32;
   float y[E];
 #pragma unroll
-  for (int i = 0; i < E; ++i) y[i] = yrow[lane + 32 * i];
-
-  if (clip < 1.0f) {
-    // tau = k-th smallest |y| (1-based), by a bitwise search on the float bits
-    // of |y| (monotone for non-negative floats): exactly nth_element's answer.
-    const int k = DeviceClipRank(clip, D);
-    uint32_t u[E];
-#pragma unroll
-    for (int i = 0; i < E; ++i) u[i] = __float_as_uint(fabsf(y[i]));
-    uint32_t x = 0;
-    for (int b = 30; b >= 0; --b) {
-      const uint32_t t = x | (1u << b);
-      int cnt = 0;
-#pragma unroll
-      for (int i = 0; i < E; ++i) cnt += u[i] < t ? 1 : 0;
-      cnt = __reduce_add_sync(0xffffffffu, cnt);
-      if (cnt < k) x = t;
-    }
-    const float tau = __uint_as_float(x);
-#pragma unroll
-    for (int i = 0; i < E; ++i) y[i] = fminf(fmaxf(y[i], -tau), tau);
-  }
+  for (int i = 0; i < E; ++i) y[i] = fminf(fmaxf(yrow[lane + 32 * i], -tau), tau);
 
   // Group min / max. Element lane + 32 i lies in group (lane + 32 i) / G.
   float mn[E], mx[E];
@@ -134,6 +147,23 @@ __device__ void QuantizeRowWarp(const float* yrow, int group, float clip, uint8_
   __syncwarp();
 }
 
+// Warp index the compiler can prove warp-uniform (a shuffle from lane 0), so
+// warp-collective code inside per-warp loops compiles without the divergence
+// fallback (WARPSYNC / ENDCOLLECTIVE around every shuffle).
+__device__ __forceinline__ int WarpIndex() {
+  return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
+}
+
+// Per-row metadata of one tile, computed once per tile.
+struct EncodeRow {
+  const bf16_bits* src;  // the row's first element (kind, head)
+  const float* rot;      // its rotation
+  uint8_t* codes;        // destination code row
+  QuantParams* params;   // destination params row
+  float clip;
+  int done;
+};
+
 // grid.x: chunks of kEncodeTilesPerBlock*M rows over (job, token); grid.y: head*2 + kind.
 template <int D>
 __global__ void __launch_bounds__(kEncodeThreads, 1)
@@ -147,28 +177,44 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
   bf16* rlo = reinterpret_cast<bf16*>(smem + S::kXBytes + 2 * S::kRBytes);
   float* ys = reinterpret_cast<float*>(smem + S::kXBytes + 3 * S::kRBytes);
   uint8_t* qs = smem + S::kXBytes + 3 * S::kRBytes + S::kYBytes;
-  int* row_state = reinterpret_cast<int*>(qs + S::kQBytes);  // 1 = done
+  __shared__ EncodeRow rows[S::M];
   __shared__ const float* cur_r;
   __shared__ const float* loaded_r;
   __shared__ int loaded_chunk;
 
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+  const int tid = threadIdx.x, warp = WarpIndex(), lane = tid & 31;
   const int h = blockIdx.y >> 1, kind = blockIdx.y & 1;
   const int P = geom.page_tokens;
   const size_t row_elems = geom.exact_row_elems();
-  const long total_rows = static_cast<long>(num_jobs) * P;
-  const long block_row0 = static_cast<long>(blockIdx.x) * kEncodeTilesPerBlock * S::M;
+  const int total_rows = num_jobs * P;  // < 2^31: checked by the launcher
+  const int block_row0 = blockIdx.x * kEncodeTilesPerBlock * S::M;
   if (tid == 0) {
     loaded_r = nullptr;
     loaded_chunk = -1;
   }
 
   for (int tile = 0; tile < kEncodeTilesPerBlock; ++tile) {
-    const long row0 = block_row0 + static_cast<long>(tile) * S::M;
+    const int row0 = block_row0 + tile * S::M;
     if (row0 >= total_rows) break;
-    const long left = total_rows - row0;
-    const int n = static_cast<int>(left < S::M ? left : S::M);
-    for (int i = tid; i < S::M; i += kEncodeThreads) row_state[i] = i < n ? 0 : 1;
+    const int n = min(S::M, total_rows - row0);
+    for (int i = tid; i < S::M; i += kEncodeThreads) {
+      EncodeRow er{};
+      er.done = 1;
+      if (i < n) {
+        const int row = row0 + i;
+        const int j = row / P, t = row - j * P;
+        const EncodeJob& job = jobs[j];
+        er.src = job.src_block + kind * size_t(P) * row_elems + size_t(t) * row_elems +
+                 size_t(h) * D;
+        er.rot = RowRotation(job.rotation, kind, h);
+        er.codes = job.dst_page + geom.codes_offset(h, kind) + size_t(t) * (D / 4);
+        er.params = reinterpret_cast<QuantParams*>(job.dst_page + geom.params_offset(h, kind)) +
+                    size_t(t) * geom.groups();
+        er.clip = kind == 0 ? job.clip_k : job.clip_v;
+        er.done = 0;
+      }
+      rows[i] = er;
+    }
     __syncthreads();
     // Rows of one tile may belong to jobs with different rotations: one pass per
     // distinct rotation (one pass in the common case).
@@ -176,9 +222,8 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
       if (tid == 0) {
         cur_r = nullptr;
         for (int i = 0; i < n; ++i) {
-          if (!row_state[i]) {
-            const long row = row0 + i;
-            cur_r = RowRotation(jobs[row / P].rotation, kind, h);
+          if (!rows[i].done) {
+            cur_r = rows[i].rot;
             break;
           }
         }
@@ -191,15 +236,7 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
       for (int idx = tid; idx < S::M * kChunksPerRow; idx += kEncodeThreads) {
         const int i = idx / kChunksPerRow, c = idx % kChunksPerRow;
         uint2 v = make_uint2(0, 0);
-        if (!row_state[i]) {
-          const long row = row0 + i;
-          const EncodeJob& job = jobs[row / P];
-          if (RowRotation(job.rotation, kind, h) == r) {
-            const bf16_bits* src = job.src_block + kind * size_t(P) * row_elems +
-                                   size_t(row % P) * row_elems + size_t(h) * D;
-            v = *reinterpret_cast<const uint2*>(src + 4 * c);
-          }
-        }
+        if (!rows[i].done && rows[i].rot == r) v = *reinterpret_cast<const uint2*>(rows[i].src + 4 * c);
         *reinterpret_cast<uint2*>(xs + i * S::LDX + 4 * c) = v;
       }
       for (int cc = 0; cc < S::NC; ++cc) {
@@ -245,25 +282,33 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
         }
       }
       __syncthreads();
-      for (int i = warp; i < n; i += kEncodeWarps) {
-        if (row_state[i]) continue;
-        const long row = row0 + i;
-        const EncodeJob& job = jobs[row / P];
-        if (RowRotation(job.rotation, kind, h) != r) continue;
-        const int t = static_cast<int>(row % P);
-        uint8_t* codes = job.dst_page + geom.codes_offset(h, kind) + size_t(t) * (D / 4);
-        auto* params = reinterpret_cast<QuantParams*>(job.dst_page + geom.params_offset(h, kind)) +
-                       size_t(t) * geom.groups();
-        QuantizeRowWarp<D>(ys + i * S::LDY, geom.group_size, kind == 0 ? job.clip_k : job.clip_v,
-                           codes, params, qs + warp * D, lane);
+      // Each warp quantizes rows warp, warp + 8, ...; clip searches of kRows
+      // rows at a time.
+      constexpr int kRows = 4;
+      for (int i0 = warp; i0 < n; i0 += kEncodeWarps * kRows) {
+        const float* yr[kRows];
+        float clip[kRows], tau[kRows];
+        bool use[kRows];
+#pragma unroll
+        for (int k = 0; k < kRows; ++k) {
+          const int i = i0 + k * kEncodeWarps;
+          use[k] = i < n && !rows[i].done && rows[i].rot == r;
+          yr[k] = ys + (i < S::M ? i : 0) * S::LDY;
+          clip[k] = use[k] ? rows[i].clip : 1.0f;
+        }
+        ClipThresholdsWarp<D, kRows>(yr, clip, tau, lane);
+#pragma unroll
+        for (int k = 0; k < kRows; ++k) {
+          if (!use[k]) continue;
+          const EncodeRow& er = rows[i0 + k * kEncodeWarps];
+          QuantizeRowWarp<D>(yr[k], geom.group_size, tau[k], er.codes, er.params, qs + warp * D,
+                             lane);
+        }
       }
       __syncthreads();
       // Mark the rows of this rotation done (after every warp has compared).
       for (int i = tid; i < n; i += kEncodeThreads) {
-        if (!row_state[i]) {
-          const long row = row0 + i;
-          if (RowRotation(jobs[row / P].rotation, kind, h) == r) row_state[i] = 1;
-        }
+        if (!rows[i].done && rows[i].rot == r) rows[i].done = 1;
       }
       __syncthreads();
     }
@@ -319,9 +364,9 @@ absl::Status LaunchEncodeD(const PageGeometry& geom, const EncodeJob* jobs, int 
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       EncodeKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
   const long rows = static_cast<long>(num_jobs) * geom.page_tokens;
+  if (rows > (1L << 30)) return absl::InvalidArgumentError("too many encode jobs for one launch");
   const long per_block = static_cast<long>(kEncodeTilesPerBlock) * S::M;
   const long blocks = (rows + per_block - 1) / per_block;
-  if (blocks > 0x7fffffffL) return absl::InvalidArgumentError("too many encode jobs for one launch");
   dim3 grid(static_cast<unsigned>(blocks), 2 * geom.kv_heads);
   EncodeKernel<D><<<grid, kEncodeThreads, S::kSmem, stream>>>(geom, jobs, num_jobs);
   return CudaStatus(cudaGetLastError(), "EncodeKernel launch");

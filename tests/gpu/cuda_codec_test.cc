@@ -2,10 +2,13 @@
 // Inputs are random BF16 rows with outlier channels, random dense orthogonal
 // rotations, several head dims, group sizes, page sizes and clip ratios.
 //
-// Stated tolerance: the GPU rotates with split-bf16 tensor-core products (fp32
-// accuracy, another summation order than the CPU), so a code whose value sits
-// on a rounding boundary may flip; we require fewer than 1e-3 of all codes and
-// of all (scale, min) params to differ, and print the measured fractions.
+// Stated tolerance: the GPU rotates on the tensor cores with R split into three
+// bf16 terms (fp32 accuracy, another summation order than the CPU's fp32 loop),
+// so a value sitting on a rounding boundary may land on the other side: we
+// require fewer than 1e-4 of all codes to differ (measured 2.5e-6 on the H200,
+// 2026-11-29) and fewer than 1e-2 of the fp16 (scale, min) params per case, each by at
+// most one fp16 ulp (measured 1.4e-3: group extremes of small groups carry
+// the CPU's own fp32 summation error), and print the measured fractions.
 // Decode: the GPU sums in the CPU's order, but the compilers may contract
 // multiply-adds differently; we require every BF16 output to be within one
 // BF16 ulp of the row's largest magnitude from the CPU's (an absolute bound:
@@ -59,7 +62,14 @@ struct CodecCase {
 
 struct Counts {
   size_t codes = 0, code_flips = 0, params = 0, param_diffs = 0;
+  int max_param_ulp = 0;
 };
+
+// Distance in fp16 ulps between two finite fp16 values of the same sign.
+int Fp16UlpDistance(uint16_t a, uint16_t b) {
+  auto key = [](uint16_t h) { return (h & 0x8000) ? -int(h & 0x7fff) : int(h); };
+  return std::abs(key(a) - key(b));
+}
 
 // Encodes `c.jobs` random blocks on both backends; returns the mismatch counts
 // and leaves the pages (CPU and GPU) for the decode checks.
@@ -124,8 +134,16 @@ void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
           counts->codes += c.dim;
           for (int gi = 0; gi < geom.groups(); ++gi) {
             const size_t o = po + (size_t(t) * geom.groups() + gi) * 4;
-            counts->param_diffs += std::memcmp(&cpu_pages[o], &(*got)[o], 4) != 0;
+            const bool differ = std::memcmp(&cpu_pages[o], &(*got)[o], 4) != 0;
+            counts->param_diffs += differ;
             counts->params += 1;
+            if (differ) {
+              uint16_t a[2], b[2];
+              std::memcpy(a, &cpu_pages[o], 4);
+              std::memcpy(b, &(*got)[o], 4);
+              counts->max_param_ulp = std::max(
+                  {counts->max_param_ulp, Fp16UlpDistance(a[0], b[0]), Fp16UlpDistance(a[1], b[1])});
+            }
           }
         }
       }
@@ -155,16 +173,20 @@ TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
     DeviceBuffer gpu_pages, rot_dev;
     std::vector<float> rot;
     RunEncode(*gpu_, c, seed++, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev);
-    EXPECT_LT(double(k.code_flips), 1e-3 * k.codes + 0.5);
-    EXPECT_LT(double(k.param_diffs), 1e-3 * k.params + 0.5);
+    EXPECT_LT(double(k.code_flips), 1e-4 * k.codes + 0.5);
+    EXPECT_LT(double(k.param_diffs), 1e-2 * k.params + 0.5);
+    EXPECT_LE(k.max_param_ulp, 1);
     total.codes += k.codes;
     total.code_flips += k.code_flips;
     total.params += k.params;
     total.param_diffs += k.param_diffs;
+    total.max_param_ulp = std::max(total.max_param_ulp, k.max_param_ulp);
   }
-  std::printf("encode: %zu of %zu codes flipped (%.2e), %zu of %zu params differ (%.2e)\n",
+  std::printf("encode: %zu of %zu codes flipped (%.2e), %zu of %zu params differ (%.2e), "
+              "max %d fp16 ulp\n",
               total.code_flips, total.codes, double(total.code_flips) / total.codes,
-              total.param_diffs, total.params, double(total.param_diffs) / total.params);
+              total.param_diffs, total.params, double(total.param_diffs) / total.params,
+              total.max_param_ulp);
   RecordProperty("code_flip_fraction", std::to_string(double(total.code_flips) / total.codes));
 }
 

@@ -195,7 +195,7 @@ int Main(int argc, char** argv) {
   std::printf("\n%-13s %9s %9s %9s %9s %8s %8s %9s %7s %6s\n", "shape", "ours_us", "graph_us",
               "call_us", "sdpa_us", "speedup", "MB", "GB/s", "%copy", "sets");
   nlohmann::json rows = nlohmann::json::array();
-  for (int variant = 0; variant < 2; ++variant)
+  for (int variant = 0; variant < 3; ++variant)
   for (const Shape& sh : shapes) {
     if (!only.empty() && only != "B" + std::to_string(sh.batch) + "_S" + std::to_string(sh.tokens)) {
       continue;
@@ -294,7 +294,7 @@ int Main(int argc, char** argv) {
     if (baseline.is_object() && baseline.contains("sdpa_us") && baseline["sdpa_us"].contains(key)) {
       sdpa = baseline["sdpa_us"][key].get<double>();
     }
-    const std::string label = key + (variant ? "/v1" : "");
+    const std::string label = key + (variant ? "/v" + std::to_string(variant) : "");
     std::printf("%-13s %9.1f %9.1f %9.1f %9.1f %8.2f %8.1f %9.0f %6.0f%% %6d%s\n", label.c_str(), us,
                 graph_us, call_us, sdpa, sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0,
                 bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, sets,

@@ -35,6 +35,15 @@ for t in cuda_codec_test cuda_attend_test; do
   grep -E "^(encode|decode|round trip|D=|Qwen3)|FAILED|Failure" "$out/$t.log" | head -60
 done
 
+# The attention tests again with the other split-kernel variants (see
+# AttendLauncher::set_variant): 1 differs for D = 128 shapes only.
+run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
+  --gtest_filter='*D128*:CudaAttendDefaults.*' --gtest_output="json:$out/cuda_attend_test_variant1.json"
+grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head -20
+run cuda_attend_test_variant2 env OSCARKV_CUDA_ATTEND_VARIANT=2 "$bundle/bin/cuda_attend_test" \
+  --gtest_output="json:$out/cuda_attend_test_variant2.json"
+grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant2.log" | head -40
+
 if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   run sanitizer_memcheck_codec compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test"
@@ -42,6 +51,10 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; 
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4:*D256_g1_groups2:CudaAttendLimits.*'
   run sanitizer_racecheck_attend compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
+  run sanitizer_memcheck_attend_v2 env OSCARKV_CUDA_ATTEND_VARIANT=2 compute-sanitizer --tool memcheck \
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4'
+  run sanitizer_racecheck_codec compute-sanitizer --tool racecheck --error-exitcode 9 \
+    "$bundle/bin/cuda_codec_test" --gtest_filter='*Encode*'
   run sanitizer_initcheck_attend compute-sanitizer --tool initcheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2'
   for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
