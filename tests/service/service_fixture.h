@@ -18,6 +18,7 @@
 #include "kernels/quantize.h"
 #include "kernels/reference.h"
 #include "prometheus/registry.h"
+#include "server/calibration_reader.h"
 #include "server/oscarkv_server.h"
 
 namespace oscarkv::testing {
@@ -46,7 +47,7 @@ struct TestServer {
 
   explicit TestServer(const ServerOptions& options = TinyServerOptions(),
                       ClientOptions client_options = {}) {
-    auto s = OscarkvServer::Start(options, registry);
+    auto s = OscarkvServer::Start(options, registry, DefaultCalibrationReader());
     EXPECT_TRUE(s.ok()) << s.status();
     if (!s.ok()) return;
     server = std::move(*s);
