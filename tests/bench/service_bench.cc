@@ -5,7 +5,7 @@
 //   attend  Attend p50/p99 per message (1 and 16 sequences of 32K tokens) vs
 //           the same attention called in-process on the server's store;
 //   memory  pool bytes per token actually held vs the codec's figure.
-// Usage: service_bench [--quick]   (quick: smaller sizes, for a smoke run)
+// Usage: service_bench [--quick] [--backend=cpu|cuda|auto]   (quick: smaller sizes)
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -26,6 +26,7 @@ namespace oscarkv {
 namespace {
 
 using Clock = std::chrono::steady_clock;
+std::string g_backend = "cpu";  // --backend=cpu|cuda|auto
 double Secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 double Pct(std::vector<double> v, double p) {
@@ -74,7 +75,7 @@ void BenchIngest(bool quick) {
   const size_t n = size_t(layout.num_layers) * tokens * row;
   const std::vector<bf16_bits> k = RandomBf16(n, 1), v = RandomBf16(n, 2);
   ServerOptions o;
-  o.backend = "cpu";
+  o.backend = g_backend;
   o.pool_bytes = size_t(1) << 30;
   o.models = {"q8b4:4:32:8:128"};
   auto server = OscarkvServer::Start(o, nullptr);
@@ -162,7 +163,7 @@ void BenchAttend(bool quick) {
   const int tokens = quick ? 8192 : 32768;
   const ModelLayout layout{1, 32, 8, 128};
   ServerOptions o;
-  o.backend = "cpu";
+  o.backend = g_backend;
   o.pool_bytes = size_t(768) << 20;
   o.models = {"q8b1:1:32:8:128"};
   auto server = OscarkvServer::Start(o, nullptr);
@@ -191,8 +192,8 @@ void BenchAttend(bool quick) {
   std::mt19937_64 rng(5);
   std::normal_distribution<float> nd;
   for (float& x : q) x = nd(rng);
-  std::printf("\n== attend: one layer, %d tokens per sequence (Qwen3-8B heads), CPU backend\n",
-              tokens);
+  std::printf("\n== attend: one layer, %d tokens per sequence (Qwen3-8B heads), %s backend\n",
+              tokens, g_backend.c_str());
   std::printf("%-6s %-7s %-12s %-12s %-16s %-16s %-14s\n", "seqs", "tokens", "rpc p50 ms", "rpc p99 ms",
               "in-proc p50 ms", "in-proc p99 ms", "overhead p50 us");
   auto session = client->OpenAttend();
@@ -238,7 +239,7 @@ void BenchMemory() {
   std::printf("%-8s %-16s %-16s %-10s\n", "tokens", "pool B/token", "codec B/token", "overhead");
   const ModelLayout layout{1, 32, 8, 128};
   ServerOptions o;
-  o.backend = "cpu";
+  o.backend = g_backend;
   o.pool_bytes = size_t(256) << 20;
   o.models = {"q8b1:1:32:8:128"};
   auto server = OscarkvServer::Start(o, nullptr);
@@ -267,8 +268,13 @@ void BenchMemory() {
 }  // namespace oscarkv
 
 int main(int argc, char** argv) {
-  const bool quick = argc > 1 && std::strcmp(argv[1], "--quick") == 0;
-  std::printf("oscarkv service bench (%s), %u hardware threads\n", quick ? "quick" : "full",
+  bool quick = false;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strncmp(argv[i], "--backend=", 10) == 0) oscarkv::g_backend = argv[i] + 10;
+  }
+  std::printf("oscarkv service bench (%s), backend %s, %u hardware threads\n",
+              quick ? "quick" : "full", oscarkv::g_backend.c_str(),
               std::thread::hardware_concurrency());
   oscarkv::BenchMemory();
   oscarkv::BenchAttend(quick);

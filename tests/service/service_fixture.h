@@ -5,6 +5,7 @@
 #define OSCARKV_TESTS_SERVICE_SERVICE_FIXTURE_H_
 
 #include <cmath>
+#include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
@@ -27,10 +28,19 @@ namespace oscarkv::testing {
 inline constexpr char kTinyModel[] = "tiny";
 inline ModelLayout TinyLayout() { return ModelLayout{2, 8, 2, 64}; }
 
+// The backend under test: $OSCARKV_TEST_BACKEND (cpu | cuda | auto), default cpu.
+inline std::string TestBackend() {
+  const char* b = std::getenv("OSCARKV_TEST_BACKEND");
+  return b && *b ? b : "cpu";
+}
+// Server vs local-CPU-kernel agreement: exact on the CPU backend; the CUDA
+// kernels sum in another order.
+inline double BackendTolerance() { return TestBackend() == "cpu" ? 1e-6 : 2e-5; }
+
 inline ServerOptions TinyServerOptions(size_t pool_bytes = size_t{8} << 20) {
   ServerOptions o;
   o.listen_address = "127.0.0.1:0";
-  o.backend = "cpu";
+  o.backend = TestBackend();
   o.cpu_threads = 2;
   o.pool_bytes = pool_bytes;
   o.exact_fraction = 0.5;
