@@ -165,3 +165,27 @@ TEST(Layout, RejectsBadShapesWithClearMessages) {
 
 }  // namespace
 }  // namespace oscarkv
+
+namespace oscarkv {
+namespace {
+
+// The fast selection path must agree with a full sort for every ratio and shape.
+TEST(Clip, ThresholdMatchesFullSortForAllRatios) {
+  for (int d : {64, 128, 256}) {
+    for (int trial = 0; trial < 30; ++trial) {
+      std::vector<float> y = testing::RandomFloats(d, 1000 + 37 * d + trial, 1.0f + trial % 5);
+      if (trial % 3 == 0) y[trial % d] = y[(trial + 1) % d];  // ties
+      std::vector<float> sorted(d), scratch(d);
+      for (int j = 0; j < d; ++j) sorted[j] = std::fabs(y[j]);
+      std::sort(sorted.begin(), sorted.end());
+      for (float ratio : {0.5f, 0.8f, 0.9f, 0.92f, 0.96f, 0.99f, 1.0f}) {
+        const int k = ClipRank(ratio, d);
+        ASSERT_EQ(ClipThreshold(y.data(), d, ratio, scratch.data()), sorted[k - 1])
+            << "d=" << d << " ratio=" << ratio << " trial=" << trial;
+      }
+    }
+  }
+}
+
+}  // namespace
+}  // namespace oscarkv
