@@ -39,6 +39,7 @@ struct LaunchArgs {
   float* qmeta;          // [item][Hq][kQueryMetaFloats]
   float* qexact;         // [item][Hq][D], scaled by scale_log2
   float* partials;       // [partial][PartialFloats(g, D)]
+  int int_qk;            // query fragments in the integer-digit format (kIntQK)
 };
 
 template <int D, int NG, bool G8>
@@ -77,6 +78,16 @@ __device__ __forceinline__ void MmaBf16(float (&c)[4], uint32_t a0, uint32_t a1,
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// D (s32) += A (u8, 16x32) · B (s8, 32x8).
+__device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.s8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 

@@ -10,13 +10,20 @@ namespace cuda_attend {
 
 // Online-softmax state and accumulators of one warp over its history chunks.
 // Thread (r = lane/4, c = lane%4) owns query heads hh0, hh0+1 of the group.
-template <int D, int NG, bool G8>
+// kInt: q·K on the integer tensor cores (D = 128, at most 4 query heads per
+// kv head; other shapes ignore it): A = codes as u8 values c·4^k straight from
+// the packed bytes (one AND per 4 codes), B = the query as four base-128 int8
+// digits of q'·2^-E·4^(3-k), exact int32 accumulation (see the prep kernel).
+template <int D, int NG, bool G8, bool kInt = false>
 struct HistoryWarp {
   using C = Cfg<D, NG, G8>;
   using Regs = ChunkRegs<C, NG>;
+  static constexpr bool kIntQK = kInt && D == 128 && !G8;
+  static constexpr int QN = kIntQK ? 2 : C::NT;  // query fragment n-tiles
+  static constexpr int QK = kIntQK ? 4 : C::KS;  // query fragment k-steps
 
   int r, c, hh0;
-  uint32_t qb[C::NT][C::KS][2];
+  uint32_t qb[QN][QK][2];
   float mult[2], qsum[2][NG];
   float m[2], l[2];
   float vlo[NG][2];
@@ -38,14 +45,13 @@ struct HistoryWarp {
 
   // The query fragments and sums from the prep kernel; zero state.
   __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
-    const uint32_t* qf =
-        a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (C::NT * C::KS * 2 * 32);
+    const uint32_t* qf = a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (QN * QK * 2 * 32);
 #pragma unroll
-    for (int nt = 0; nt < C::NT; ++nt)
+    for (int nt = 0; nt < QN; ++nt)
 #pragma unroll
-      for (int ks = 0; ks < C::KS; ++ks)
+      for (int ks = 0; ks < QK; ++ks)
 #pragma unroll
-        for (int rg = 0; rg < 2; ++rg) qb[nt][ks][rg] = qf[((nt * C::KS + ks) * 2 + rg) * 32 + lane];
+        for (int rg = 0; rg < 2; ++rg) qb[nt][ks][rg] = qf[((nt * QK + ks) * 2 + rg) * 32 + lane];
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int hh = hh0 + j;
@@ -134,6 +140,15 @@ struct HistoryWarp {
   // Logits (base 2) of tokens {r, r+8} of each 16-token tile, heads hh0 + (j & 1),
   // from the K half of a chunk. No state is touched.
   __device__ __forceinline__ void Logits(const Regs& x, float (&lg)[2][4]) const {
+    if constexpr (kIntQK) {
+      LogitsInt(x, lg);
+    } else {
+      LogitsF16(x, lg);
+    }
+  }
+
+  // Logits on the fp16 tensor cores (query as hi / lo fp16 columns).
+  __device__ __forceinline__ void LogitsF16(const Regs& x, float (&lg)[2][4]) const {
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
       constexpr int kChains = C::KW >= 2 ? 2 : 1;  // independent MMA accumulation chains
@@ -181,6 +196,49 @@ struct HistoryWarp {
             if constexpr (kChains == 2) part += s[1][0][gi][e];
             dot = part + __shfl_xor_sync(kFull, part, 2);
           }
+          const uint32_t kp = x.kp[row][gi];
+          v += mult[j] * ParamScale(kp) * dot + ParamMin(kp) * qsum[j][gi];
+        }
+        lg[tau][e] = v;
+      }
+    }
+  }
+
+  // Logits on the integer tensor cores (kIntQK). Columns of n-tile t: n < 4 is
+  // digit 2t of head n, n >= 4 digit 2t+1 of head n-4, so thread c < 2 holds
+  // digits 0 and 2 of heads hh0, hh0+1 and thread c ^ 2 digits 1 and 3.
+  __device__ __forceinline__ void LogitsInt(const Regs& x, float (&lg)[2][4]) const {
+    const float w0 = c < 2 ? 1.0f : 0.0078125f;                 // 128^0 or 128^-1
+    const float w1 = c < 2 ? 6.103515625e-05f : 4.76837158203125e-07f;  // 128^-2 or 128^-3
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      int s[2][NG][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int gi = 0; gi < NG; ++gi)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) s[t][gi][e] = 0;
+      const uint32_t x0 = x.kc[2 * tau][0], x0b = x.kc[2 * tau][1];
+      const uint32_t x1 = x.kc[2 * tau + 1][0], x1b = x.kc[2 * tau + 1][1];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const int gi = k * NG / 4;
+        const uint32_t m = 0x03030303u << (2 * k);
+        const uint32_t a0 = x0 & m, a1 = x1 & m, a2 = x0b & m, a3 = x1b & m;
+#pragma unroll
+        for (int t = 0; t < 2; ++t) ImmaU8S8(s[t][gi], a0, a1, a2, a3, qb[t][k][0], qb[t][k][1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const int j = e & 1;
+        const int row = 2 * tau + (e >> 1);
+        float v = 0.0f;
+#pragma unroll
+        for (int gi = 0; gi < NG; ++gi) {
+          const float part = fmaf(static_cast<float>(s[1][gi][e]), w1,
+                                  static_cast<float>(s[0][gi][e]) * w0);
+          const float dot = part + __shfl_xor_sync(kFull, part, 2);
           const uint32_t kp = x.kp[row][gi];
           v += mult[j] * ParamScale(kp) * dot + ParamMin(kp) * qsum[j][gi];
         }

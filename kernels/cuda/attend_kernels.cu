@@ -34,6 +34,7 @@ __device__ __forceinline__ void WaitForPrerequisites() {
 template <int D, bool G8>
 __global__ void __launch_bounds__(kPrepThreads) PrepKernel(LaunchArgs a) {
   constexpr int NT = G8 ? 2 : 1, KS = D / 16;
+  const bool kIntFormat = a.int_qk && D == 128 && !G8;
   constexpr int kSlices = kPrepThreads / D;  // the i-range of q·R split over thread slices
   __shared__ float qs[8][D];
   __shared__ float qin[8][D];
@@ -94,8 +95,13 @@ __global__ void __launch_bounds__(kPrepThreads) PrepKernel(LaunchArgs a) {
     for (int off = 16; off >= 1; off >>= 1) mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
     int e = 0;
     if (mx > 0.0f && isfinite(mx)) frexpf(mx, &e);
-    const float inv = mx > 0.0f && isfinite(mx) ? ldexpf(1.0f, 9 - e) : 1.0f;
-    const float mult = mx > 0.0f && isfinite(mx) ? ldexpf(1.0f, e - 9) : 1.0f;
+    // fp16 format: max |q'|·inv in [256, 512). Integer format: max |q'|·inv in
+    // [0.5, 1), so the digit-0 values q'·inv·4^(3-k) stay below 64.
+    const int shift = kIntFormat ? 0 : 9;
+    const int mshift = kIntFormat ? 6 : 9;
+    const bool ok = mx > 0.0f && isfinite(mx);
+    const float inv = ok ? ldexpf(1.0f, shift - e) : 1.0f;
+    const float mult = ok ? ldexpf(1.0f, e - mshift) : (kIntFormat ? 1.0f / 64.0f : 1.0f);
     const int G = a.geom.group_size, ng = D / G;
     float* meta = a.qmeta + (size_t(item_idx) * a.hq + h * g + hh) * kQueryMetaFloats;
     for (int gi = 0; gi < 4; ++gi) {
@@ -113,6 +119,35 @@ __global__ void __launch_bounds__(kPrepThreads) PrepKernel(LaunchArgs a) {
     }
   }
   __syncthreads();
+  if (kIntFormat) {
+    // B fragments of the m16n8k32 u8·s8 MMA: n-tile t, k-step = code field k,
+    // register rg = bytes [4rg, 4rg+4) of thread c's 8 code bytes; column n:
+    // digit 2t + (n >= 4) of head n & 3; byte b holds the digit of dim
+    // d = 8c + 4rg + b + 32k, where v = q'·inv·4^(3-k) = Σ_j digit_j·128^-j.
+    uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * (2 * 4 * 2 * 32);
+    for (int idx = tid; idx < 2 * 4 * 2 * 32; idx += kPrepThreads) {
+      const int ln = idx & 31, rg = (idx >> 5) & 1, k = (idx >> 6) & 3, t = idx >> 8;
+      const int c = ln & 3, n = ln >> 2;
+      const int hh = n & 3, digit = 2 * t + (n >= 4 ? 1 : 0);
+      uint32_t packed = 0;
+      if (hh < g) {
+        const float sc = inv_s[hh] * (k == 0 ? 64.0f : k == 1 ? 16.0f : k == 2 ? 4.0f : 1.0f);
+        for (int b = 0; b < 4; ++b) {
+          const int d = 8 * c + 4 * rg + b + 32 * k;
+          float rest = qs[hh][d] * sc;
+          int dig = 0;
+          for (int j = 0; j < 4; ++j) {
+            const float dj = rintf(rest);
+            if (j == digit) dig = static_cast<int>(dj);
+            rest = (rest - dj) * 128.0f;
+          }
+          packed |= (uint32_t(dig) & 0xffu) << (8 * b);
+        }
+      }
+      frag[idx] = packed;
+    }
+    return;
+  }
   uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * (NT * KS * 2 * 32);
   for (int idx = tid; idx < NT * KS * 2 * 32; idx += kPrepThreads) {
     const int ln = idx & 31, rg = (idx >> 5) & 1, ks = (idx >> 6) % KS, nt = (idx >> 6) / KS;
@@ -167,7 +202,8 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
 // kPrefetch: register double buffer of whole chunks. kPipeline: software
 // pipeline, QK of chunk i+1 next to softmax / PV of chunk i (two independent
 // instruction streams per warp), K and V halves loaded on separate schedules.
-template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false>
+template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
+          bool kInt = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
   constexpr int HG = C::HG;
@@ -204,7 +240,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   } else {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (wu.end - wu.begin) * cpp;
-    HistoryWarp<D, NG, G8> hw;
+    HistoryWarp<D, NG, G8, kInt> hw;
     hw.InitOffsets(a.geom, wu.kv_head, lane);
     // Page pointers for iterations [base, base + 32), one per lane.
     int base = 0;
@@ -223,12 +259,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
     };
     const int iters = warp < n ? (n - warp + kWarps - 1) / kWarps : 0;
-    typename HistoryWarp<D, NG, G8>::Regs ra, rb;
+    typename HistoryWarp<D, NG, G8, kInt>::Regs ra, rb;
     if constexpr (kPipeline) {
       // ra / rb: K halves (QK); va / vb: V halves (PV). At the loop top:
       // lga = logits(it), va = V(it), rb = K(it+1), ra = K(it+2) and
       // vb = V(it+1) in flight. Loads go in non-decreasing chunk order.
-      typename HistoryWarp<D, NG, G8>::Regs va = {}, vb = {};
+      typename HistoryWarp<D, NG, G8, kInt>::Regs va = {}, vb = {};
       ra = {};
       rb = {};
       float lga[2][4], lgb[2][4];
@@ -302,7 +338,7 @@ __device__ float CombinePartials(const LaunchArgs& a, int first, int count, int 
   float m = -INFINITY, l = 0.0f, acc[EL];
 #pragma unroll
   for (int e = 0; e < EL; ++e) acc[e] = 0.0f;
-  constexpr int kBatch = 4;  // partials loaded before they are combined
+  constexpr int kBatch = 12;  // partials loaded before they are combined
   for (int s0 = warp; s0 < count; s0 += kBatch * kWarps) {
     float pm[kBatch], pl[kBatch], pa[kBatch][EL];
 #pragma unroll
@@ -440,18 +476,30 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 
 // Variants: 0 = 3 resident blocks per SM with a register double buffer;
 // 1 (D = 128, one group only) = 4 blocks per SM, no prefetch; 2 = software
-// pipeline (QK of the next chunk next to PV of this one), 3 blocks per SM.
+// pipeline (QK of the next chunk next to PV of this one), 3 blocks per SM;
+// 3 / 4 = variants 0 / 2 with q·K on the integer tensor cores (D = 128 and at
+// most 4 query heads per kv head; other shapes run variants 0 / 2).
+inline bool UsesIntQk(int variant, int head_dim, bool g8) {
+  return (variant == 3 || variant == 4) && head_dim == 128 && !g8;
+}
+
 template <int D, int NG, bool G8>
 auto SplitKernelFor(int variant) {
   if constexpr (D == 128 && NG == 1) {
     if (variant == 1) return &SplitKernel<D, NG, G8, 4, false>;
   }
-  if (variant == 2) return &SplitKernel<D, NG, G8, 3, false, true>;
+  if constexpr (D == 128 && !G8) {
+    if (variant == 3) return &SplitKernel<D, NG, G8, 3, true, false, true>;
+    if (variant == 4) return &SplitKernel<D, NG, G8, 3, false, true, true>;
+  }
+  if (variant == 2 || variant == 4) return &SplitKernel<D, NG, G8, 3, false, true>;
   return &SplitKernel<D, NG, G8, 3, Cfg<D, NG, G8>::kPrefetch>;
 }
 
 template <int D, int NG, bool G8>
-absl::Status LaunchTyped(const LaunchArgs& a, const LaunchShape& s, cudaStream_t stream) {
+absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStream_t stream) {
+  LaunchArgs a = args;
+  a.int_qk = UsesIntQk(s.variant, D, G8) ? 1 : 0;
   PrepKernel<D, G8><<<dim3(s.num_items, s.kv_heads), kPrepThreads, 0, stream>>>(a);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (s.num_work > 0) {

@@ -17,6 +17,10 @@ using bf16 = __nv_bfloat16;
 constexpr int kEncodeWarps = 8;
 constexpr int kEncodeThreads = kEncodeWarps * 32;
 constexpr int kEncodeTilesPerBlock = 8;
+// Clip threshold by repeated max extraction when it is among the largest
+// kMaxExtraction magnitudes of the row (else a 31-step bitwise search).
+constexpr bool kUseMaxExtraction = true;
+constexpr int kMaxExtraction = 24;
 
 // Tile shapes of the encode kernel for head dim D: M rows per tile, the
 // rotation staged in shared memory CW columns at a time as three bf16 terms
@@ -64,15 +68,50 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const float (
     k[r] = DeviceClipRank(clip[r] < 1.0f ? clip[r] : 1.0f, D);
     x[r] = 0;
   }
-  for (int b = 30; b >= 0; --b) {
+  // Rank from the top: the k-th smallest is the (D - k + 1)-th largest. For the
+  // usual ratios (0.9..1) that is a handful of elements: extract maxima one
+  // at a time (one integer max-reduction each; |y| bits order like the floats).
+  int top[R], max_top = 0;
 #pragma unroll
-    for (int r = 0; r < R; ++r) {
-      const uint32_t t = x[r] | (1u << b);
-      int cnt = 0;
+  for (int r = 0; r < R; ++r) {
+    top[r] = clip[r] < 1.0f ? D - k[r] + 1 : 0;
+    max_top = max(max_top, top[r]);
+  }
+  if (kUseMaxExtraction && max_top <= kMaxExtraction) {
+    for (int it = 0; it < max_top; ++it) {
 #pragma unroll
-      for (int i = 0; i < E; ++i) cnt += u[r][i] < t ? 1 : 0;
-      cnt = __reduce_add_sync(0xffffffffu, cnt);
-      if (cnt < k[r]) x[r] = t;
+      for (int r = 0; r < R; ++r) {
+        if (it >= top[r]) continue;
+        uint32_t lm = u[r][0];
+#pragma unroll
+        for (int i = 1; i < E; ++i) lm = max(lm, u[r][i]);
+        const uint32_t gm = __reduce_max_sync(0xffffffffu, lm);
+        x[r] = gm;
+        // Remove one occurrence of the maximum (first lane, first element).
+        const unsigned holders = __ballot_sync(0xffffffffu, lm == gm);
+        if (lane == __ffs(holders) - 1) {
+          bool removed = false;
+#pragma unroll
+          for (int i = 0; i < E; ++i) {
+            if (!removed && u[r][i] == gm) {
+              u[r][i] = 0;
+              removed = true;
+            }
+          }
+        }
+      }
+    }
+  } else {
+    for (int b = 30; b >= 0; --b) {
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        const uint32_t t = x[r] | (1u << b);
+        int cnt = 0;
+#pragma unroll
+        for (int i = 0; i < E; ++i) cnt += u[r][i] < t ? 1 : 0;
+        cnt = __reduce_add_sync(0xffffffffu, cnt);
+        if (cnt < k[r]) x[r] = t;
+      }
     }
   }
 #pragma unroll

@@ -9,6 +9,8 @@
 // rotated over several page sets so that L2 never holds it; inputs are random.
 //
 //   oscarkv_gpu_bench [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]
+//                     [--variant N]   (split-kernel variant, see AttendLauncher::set_variant;
+//                                      default: all five, one table row each)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -96,14 +98,16 @@ struct Shape {
 int Main(int argc, char** argv) {
   std::string baseline_path, json_path, only;
   int iters = 200;
+  int only_variant = -1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--baseline" && i + 1 < argc) baseline_path = argv[++i];
     else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else if (a == "--variant" && i + 1 < argc) only_variant = std::atoi(argv[++i]);
     else {
-      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072] [--variant N]\n", argv[0]);
       return 2;
     }
   }
@@ -195,8 +199,9 @@ int Main(int argc, char** argv) {
   std::printf("\n%-13s %9s %9s %9s %9s %8s %8s %9s %7s %6s\n", "shape", "ours_us", "graph_us",
               "call_us", "sdpa_us", "speedup", "MB", "GB/s", "%copy", "sets");
   nlohmann::json rows = nlohmann::json::array();
-  for (int variant = 0; variant < 3; ++variant)
+  for (int variant = 0; variant < 5; ++variant)
   for (const Shape& sh : shapes) {
+    if (only_variant >= 0 && variant != only_variant) continue;
     if (!only.empty() && only != "B" + std::to_string(sh.batch) + "_S" + std::to_string(sh.tokens)) {
       continue;
     }

@@ -43,6 +43,12 @@ grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head
 run cuda_attend_test_variant2 env OSCARKV_CUDA_ATTEND_VARIANT=2 "$bundle/bin/cuda_attend_test" \
   --gtest_output="json:$out/cuda_attend_test_variant2.json"
 grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant2.log" | head -40
+for v in 3 4; do  # integer q·K: differs from 0 / 2 for D = 128, g <= 4 only
+  run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
+    --gtest_filter='*D128_g1*:*D128_g4*:CudaAttendDefaults.*' \
+    --gtest_output="json:$out/cuda_attend_test_variant$v.json"
+  grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant$v.log" | head -20
+done
 
 if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   run sanitizer_memcheck_codec compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -53,6 +59,8 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; 
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
   run sanitizer_memcheck_attend_v2 env OSCARKV_CUDA_ATTEND_VARIANT=2 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4'
+  run sanitizer_memcheck_attend_v4 env OSCARKV_CUDA_ATTEND_VARIANT=4 compute-sanitizer --tool memcheck \
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
   run sanitizer_racecheck_codec compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test" --gtest_filter='*Encode*'
   run sanitizer_initcheck_attend compute-sanitizer --tool initcheck --error-exitcode 9 \
@@ -65,28 +73,33 @@ if [ "${SKIP_BENCH:-0}" != 1 ]; then
     --iters "${BENCH_ITERS:-200}"
   run gpu_bench "$bundle/bin/oscarkv_gpu_bench" --baseline "$out/sdpa.json" --json "$out/bench.json" \
     --iters "${BENCH_ITERS:-200}"
-  echo; cat "$out/sdpa_baseline.log"; echo; cat "$out/gpu_bench.log"
 fi
-
-echo
-echo "== summary"
-for k in "${!result[@]}"; do printf '%-28s %s\n' "$k" "${result[$k]}"; done | sort
 
 # Optional (NCU=1): hardware counters of the three attention kernels at
 # B=1 8K and of the split kernel at 128K, the encode kernel, and the SASS.
 if [ "${NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
   sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy --section WarpStateStats --section ComputeWorkloadAnalysis --section InstructionStats --section LaunchStats"
   ncu --clock-control none -k regex:"PrepKernel|SplitKernel|MergeKernel" -c 3 --section SpeedOfLight \
-    "$bundle/bin/oscarkv_gpu_bench" --only B1_S8192 --iters 5 > "$out/ncu_8k.log" 2>&1
+    "$bundle/bin/oscarkv_gpu_bench" --only B1_S8192 --variant 0 --iters 5 > "$out/ncu_8k.log" 2>&1
   ncu --clock-control none -k regex:"PrepKernel|SplitKernel|MergeKernel" -c 3 $sections \
-    "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --iters 5 > "$out/ncu_128k.log" 2>&1
+    "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --variant 0 --iters 5 > "$out/ncu_128k.log" 2>&1
+  ncu --clock-control none -k regex:SplitKernel -c 1 $sections \
+    "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --variant 4 --iters 5 > "$out/ncu_128k_v4.log" 2>&1
   ncu --clock-control none -k regex:EncodeKernel -c 1 $sections \
     "$bundle/bin/oscarkv_gpu_bench" --only none --iters 5 > "$out/ncu_encode.log" 2>&1
   echo "ncu 8K (prep, split, merge):"; grep -E "^  [A-Za-z]|Duration" "$out/ncu_8k.log" | head -12
   echo "ncu 128K:"; grep -E "^  [A-Za-z]|Duration|DRAM Throughput|Issue Slots|Achieved Occupancy|Executed Ipc A|Registers Per" "$out/ncu_128k.log" | head -30
+  echo "ncu 128K variant 4:"; grep -E "Duration|DRAM Throughput|Issue Slots|Achieved Occupancy|Executed Ipc A|Registers Per" "$out/ncu_128k_v4.log" | head -8
   echo "ncu encode:"; grep -E "Duration|DRAM Throughput|Issue Slots|Achieved Occupancy|Registers Per|Executed Ipc A|Stall" "$out/ncu_encode.log" | head -12
   if command -v cuobjdump > /dev/null; then
     cuobjdump -sass "$bundle/bin/oscarkv_gpu_bench" > "$out/sass_all.txt" 2>&1
     echo "sass: $(wc -l < "$out/sass_all.txt") lines"
   fi
 fi
+
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  echo; cat "$out/sdpa_baseline.log"; echo; cat "$out/gpu_bench.log"
+fi
+echo
+echo "== summary"
+for k in "${!result[@]}"; do printf '%-32s %s\n' "$k" "${result[$k]}"; done | sort
