@@ -61,7 +61,7 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; 
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4'
   run sanitizer_memcheck_attend_v4 env OSCARKV_CUDA_ATTEND_VARIANT=4 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
-  run sanitizer_racecheck_codec compute-sanitizer --tool racecheck --error-exitcode 9 \
+  run sanitizer_racecheck_codec timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test" --gtest_filter='*Encode*'
   run sanitizer_initcheck_attend compute-sanitizer --tool initcheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2'
