@@ -411,20 +411,24 @@ absl::StatusOr<std::vector<float>> TensorFloats(const TorchArchive& archive, con
   if (t.shape.size() != t.stride.size()) return absl::InvalidArgumentError("tensor stride rank mismatch");
   int64_t numel = 1, expect_stride = 1;
   for (int i = int(t.shape.size()) - 1; i >= 0; --i) {
-    if (t.shape[i] < 0) return absl::InvalidArgumentError("negative tensor size");
+    if (t.shape[i] < 0 || t.shape[i] > (int64_t(1) << 31)) {
+      return absl::InvalidArgumentError("tensor size out of range");
+    }
     if (t.shape[i] > 1 && t.stride[i] != expect_stride) {
       return absl::InvalidArgumentError("tensor is not contiguous");
     }
     expect_stride *= t.shape[i];
     numel *= t.shape[i];
+    if (numel > (int64_t(1) << 40)) return absl::InvalidArgumentError("tensor too large");
   }
   auto it = archive.storages.find(t.storage->s);
   if (it == archive.storages.end()) {
     return absl::InvalidArgumentError(absl::StrCat("storage data/", t.storage->s, " missing from the archive"));
   }
   const std::string& data = it->second;
-  if (t.offset < 0 || uint64_t(t.offset + numel) * 4 > data.size() ||
-      int64_t(data.size()) != t.storage->i * 4) {
+  const int64_t storage_elems = int64_t(data.size() / 4);
+  if (t.offset < 0 || t.offset > storage_elems || numel > storage_elems - t.offset ||
+      storage_elems != t.storage->i || data.size() % 4 != 0) {
     return absl::InvalidArgumentError(absl::StrCat("storage data/", t.storage->s, " has ",
                                                    data.size(), " bytes, too few for the tensor"));
   }

@@ -133,3 +133,37 @@ TEST(TorchPickle, ParsesPlainDictAndRejectsTruncation) {
 
 }  // namespace
 }  // namespace oscarkv
+
+namespace oscarkv {
+namespace {
+
+// Bad input must give an error, never a crash: every truncation and many random
+// byte flips of the real pickle, and random flips of a whole archive.
+TEST(TorchPickle, SurvivesTruncationAndRandomCorruption) {
+  auto bytes = ReadFileBytes(kKeyFile);
+  ASSERT_TRUE(bytes.ok());
+  auto entries = ReadStoredZip(*bytes);
+  ASSERT_TRUE(entries.ok());
+  const std::string& pickle = entries->at("k_rotation_qqt_r_h_pbr/data.pkl");
+  ASSERT_TRUE(RestrictedUnpickle(pickle).ok());
+  for (size_t n = 0; n < pickle.size(); ++n) {
+    EXPECT_FALSE(RestrictedUnpickle(pickle.substr(0, n)).ok()) << n;
+  }
+  SyntheticRng rng(1234);
+  for (int trial = 0; trial < 3000; ++trial) {
+    std::string p = pickle;
+    const int flips = 1 + int(rng.Uniform() * 4);
+    for (int f = 0; f < flips; ++f) p[size_t(rng.Uniform() * p.size())] = char(rng.Next() & 0xff);
+    auto r = RestrictedUnpickle(p);  // ok or error; must not crash
+    (void)r;
+  }
+  for (int trial = 0; trial < 50; ++trial) {
+    std::string b = *bytes;
+    b[size_t(rng.Uniform() * b.size())] ^= char(1 + (rng.Next() % 255));
+    auto r = ParseRotationZoo(b);
+    (void)r;
+  }
+}
+
+}  // namespace
+}  // namespace oscarkv
