@@ -142,6 +142,7 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   OSCARKV_ASSIGN_OR_RETURN(s->pool_, PagePool::Create(s->backend_.get(), pool_options));
   s->store_ = std::make_unique<SequenceStore>(s->backend_.get(), s->pool_.get(), &s->models_,
                                               options.eviction);
+  for (const auto& m : s->models_.List()) OSCARKV_RETURN_IF_ERROR(s->store_->ProbeModel(*m));
 
   s->registry_ = std::move(registry);
   if (s->registry_) {

@@ -162,15 +162,7 @@ absl::Status KvCacheService::DoLoadCalibration(const v1::LoadCalibrationRequest&
   OSCARKV_ASSIGN_OR_RETURN(std::shared_ptr<const ModelEntry> entry,
                            MakeModelEntry(request.model(), std::move(rotation), ctx_.tiers,
                                           ctx_.group_size, *ctx_.backend));
-  const PoolOptions& pool = ctx_.store->pool().options();
-  if (entry->geom.page_bytes() > pool.page_bytes ||
-      entry->geom.exact_block_bytes() > pool.block_bytes) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "model '", entry->name, "' needs ", entry->geom.page_bytes(), "-byte pages and ",
-        entry->geom.exact_block_bytes(), "-byte blocks; this server's pool slots are ",
-        pool.page_bytes, " and ", pool.block_bytes,
-        " (register the model at start with --model to size the pool for it)"));
-  }
+  OSCARKV_RETURN_IF_ERROR(ctx_.store->ProbeModel(*entry));
   if (request.replace() && ctx_.store->CountSequences(entry->name) > 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("model '", entry->name, "' has stored sequences; drop them first"));

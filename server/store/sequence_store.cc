@@ -597,6 +597,68 @@ StoreStats SequenceStore::Stats() const {
   return st;
 }
 
+absl::Status SequenceStore::ProbeModel(const ModelEntry& m) {
+  if (m.geom.page_bytes() > pool_->options().page_bytes ||
+      m.geom.exact_block_bytes() > pool_->options().block_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model '", m.name, "' needs ", m.geom.page_bytes(), "-byte pages and ",
+        m.geom.exact_block_bytes(), "-byte blocks; this server's pool slots are ",
+        pool_->options().page_bytes, " and ", pool_->options().block_bytes,
+        " (register the model at start with --model to size the pool for it)"));
+  }
+  OSCARKV_ASSIGN_OR_RETURN(Reservation res, ReserveWithEviction(1, 1));
+  const SlotId block = res.TakeBlock();
+  const SlotId page = res.TakePage();
+  absl::Status status = [&]() -> absl::Status {
+    // A block of small finite values, encoded into the page.
+    std::vector<bf16_bits> host(m.geom.exact_block_bytes() / sizeof(bf16_bits));
+    for (size_t i = 0; i < host.size(); ++i) host[i] = FloatToBf16(float(int(i % 7) - 3) / 8.0f);
+    OSCARKV_RETURN_IF_ERROR(
+        backend_->CopyToDevice(pool_->block(block), host.data(), host.size() * sizeof(bf16_bits)));
+    EncodeJob job;
+    job.src_block = pool_->block(block);
+    job.dst_page = pool_->page(page);
+    job.rotation = m.codecs[0].rotation;
+    job.clip_k = m.codecs[0].clip_k;
+    job.clip_v = m.codecs[0].clip_v;
+    OSCARKV_RETURN_IF_ERROR(backend_->EncodePages(m.geom, &job, 1));
+    const size_t q_floats = size_t(m.layout.num_q_heads) * m.layout.head_dim;
+    OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer staging,
+                             TakeStaging((2 * q_floats + m.layout.num_q_heads) * sizeof(float)));
+    std::vector<float> q(q_floats, 0.01f);
+    OSCARKV_RETURN_IF_ERROR(backend_->CopyToDevice(staging.as<float>(), q.data(),
+                                                   q_floats * sizeof(float)));
+    ExactBlockRef exact{pool_->block(block), 1};
+    const uint8_t* pages[1] = {pool_->page(page)};
+    AttendItem item;
+    item.q = staging.as<float>();
+    item.out = staging.as<float>() + q_floats;
+    item.lse = staging.as<float>() + 2 * q_floats;
+    item.rotation = m.codecs[0].rotation;
+    item.exact = &exact;
+    item.num_exact = 1;
+    item.pages = pages;
+    item.num_pages = 1;
+    AttendBatch batch;
+    batch.geom = m.geom;
+    batch.num_q_heads = m.layout.num_q_heads;
+    batch.scale = 1.0f / std::sqrt(float(m.layout.head_dim));
+    batch.items = &item;
+    batch.num_items = 1;
+    absl::Status s = backend_->Attend(batch);
+    ReturnStaging(std::move(staging));
+    return s;
+  }();
+  res.ReturnBlock(block);
+  pool_->FreePages(&page, 1);
+  if (!status.ok()) {
+    return absl::Status(status.code(), absl::StrCat("backend ", backend_->name(),
+                                                    " cannot serve model '", m.name,
+                                                    "': ", status.message()));
+  }
+  return absl::OkStatus();
+}
+
 int64_t SequenceStore::CountSequences(const std::string& model) const {
   std::lock_guard<std::mutex> lock(mu_);
   int64_t n = 0;

@@ -195,6 +195,12 @@ class SequenceStore {
   // Committed sequences of `model`.
   int64_t CountSequences(const std::string& model) const;
 
+  // Runs one tiny encode + attention for `model` on the backend (one exact
+  // block and one page from the pool, returned afterwards), so a model the
+  // backend cannot serve (e.g. a page size its kernels do not implement) is
+  // refused when it is registered rather than on every request.
+  absl::Status ProbeModel(const ModelEntry& model);
+
   EvictionPolicy policy() const { return policy_; }
   Backend& backend() { return *backend_; }
   PagePool& pool() { return *pool_; }
