@@ -131,7 +131,12 @@ TEST(Synthetic, GeneratesThirtyTwoKTokensQuickly) {
   auto l = GenerateSyntheticLayer(s, 0);
   const double sec = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   ASSERT_TRUE(l.ok());
-  EXPECT_LT(sec, 2.0) << "generation took " << sec << " s";  // ~0.3 s on the dev machine
+#ifdef NDEBUG
+  const double limit = 2.0;  // ~0.45 s in a Release build on the 2-vCPU dev VM
+#else
+  const double limit = 20.0;  // Debug / sanitizer builds
+#endif
+  EXPECT_LT(sec, limit) << "generation took " << sec << " s";
 }
 
 TEST(Synthetic, RealQueryCovarianceFromRotationZooShapesTheQueries) {
