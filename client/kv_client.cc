@@ -235,6 +235,13 @@ std::future<absl::StatusOr<int64_t>> KvClient::AppendAsync(const std::string& id
   return future;
 }
 
+std::future<absl::StatusOr<std::vector<AttendOutput>>> KvClient::AttendAsync(
+    std::vector<AttendQuery> queries, const ModelLayout& layout, bool return_lse) {
+  return std::async(std::launch::async, [this, queries = std::move(queries), layout, return_lse] {
+    return Attend(queries, layout, return_lse);
+  });
+}
+
 std::future<absl::StatusOr<PutResult>> KvClient::PutSequenceAsync(
     const std::string& sequence_id, const std::string& model, const ModelLayout& layout,
     int64_t tokens, const bf16_bits* k, const bf16_bits* v, bool pin) {

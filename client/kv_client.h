@@ -162,7 +162,10 @@ class KvClient {
                                         const std::vector<int>& layers = {},
                                         bool include_rotation = true,
                                         const ProgressFn& progress = nullptr);
-  absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttend();
+  // The session's deadline bounds the whole stream (default: ClientOptions::
+  // deadline); open one per request being decoded, with its expected length.
+  absl::StatusOr<std::unique_ptr<AttendSession>> OpenAttend(
+      std::chrono::milliseconds session_deadline = std::chrono::milliseconds(0));
   // One Attend round trip on a fresh stream (convenience).
   absl::StatusOr<std::vector<AttendOutput>> Attend(const std::vector<AttendQuery>& queries,
                                                    const ModelLayout& layout, bool return_lse);
@@ -184,6 +187,10 @@ class KvClient {
                                                    const ModelLayout& layout, int layer,
                                                    int64_t start_token, int64_t n,
                                                    const bf16_bits* k, const bf16_bits* v);
+  // One Attend round trip on its own thread; the queries' q/k/v must stay
+  // valid until the future is ready.
+  std::future<absl::StatusOr<std::vector<AttendOutput>>> AttendAsync(
+      std::vector<AttendQuery> queries, const ModelLayout& layout, bool return_lse);
   // Runs PutSequence on its own thread; k and v must stay valid until ready.
   std::future<absl::StatusOr<PutResult>> PutSequenceAsync(const std::string& sequence_id,
                                                           const std::string& model,

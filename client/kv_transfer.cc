@@ -269,9 +269,13 @@ absl::Status AttendSession::Close() {
   return FromGrpcStatus(stream_->Finish());
 }
 
-absl::StatusOr<std::unique_ptr<AttendSession>> KvClient::OpenAttend() {
+absl::StatusOr<std::unique_ptr<AttendSession>> KvClient::OpenAttend(
+    std::chrono::milliseconds session_deadline) {
   std::unique_ptr<AttendSession> s(new AttendSession());
   s->context_ = NewContext();
+  if (session_deadline.count() > 0) {
+    s->context_->set_deadline(std::chrono::system_clock::now() + session_deadline);
+  }
   s->stream_ = stub_->Attend(s->context_.get());
   if (s->stream_ == nullptr) return absl::UnavailableError("cannot open an Attend stream");
   return s;

@@ -210,6 +210,12 @@ TEST(Service, AsyncCallsCompleteWithTheSameResults) {
   ASSERT_TRUE(n.ok()) << n.status();
   EXPECT_EQ(*n, 41);
   EXPECT_EQ(ts.client->InfoAsync().get()->sequences(), 1);
+  const std::vector<float> q = RandomQuery(layout, 8);
+  auto sync = ts.client->Attend({AttendQuery{"q", 1, q.data()}}, layout, true);
+  auto async = ts.client->AttendAsync({AttendQuery{"q", 1, q.data()}}, layout, true).get();
+  ASSERT_TRUE(sync.ok() && async.ok());
+  EXPECT_EQ((*async)[0].tokens, 41);
+  EXPECT_EQ((*async)[0].out, (*sync)[0].out);
   EXPECT_TRUE(ts.client->DropAsync("q").get().ok());
   EXPECT_EQ(ts.client->StatAsync("q").get().status().code(), absl::StatusCode::kNotFound);
 }
