@@ -6,7 +6,9 @@
 
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/calib/calibrate.h"
 #include "kernels/calib/fidelity_bench.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/calib/synthetic.h"
 #include "kernels/hadamard.h"
 #include "kernels/numeric.h"
@@ -63,6 +65,51 @@ TEST(Fidelity, OutputErrorMatchesFp64ReferenceAttention) {
   EXPECT_NEAR(m->output_rel_error, std::sqrt(err2 / ref2), 1e-9);
   EXPECT_GT(m->output_rel_error, 0.01);  // 2-bit keys and values do change the output
   EXPECT_DOUBLE_EQ(m->effective_bits, 2.25);
+}
+
+// The fidelity path must be the codec the server runs: encode pages with the
+// CPU backend and a calibrated per-head rotation, decode, and compare with
+// DequantizedCache (the backend rounds its decoded block to BF16).
+TEST(Fidelity, DequantizedCacheMatchesCpuBackendPages) {
+  SyntheticSpec spec = SmallSpec(6);
+  spec.tokens = 64;
+  auto data = GenerateSyntheticLayer(spec, 0);
+  spec.tokens = spec.num_queries = 256;
+  auto cal = GenerateSyntheticLayer(spec, 0);
+  ASSERT_TRUE(data.ok() && cal.ok());
+  CalibrationOptions copt;
+  copt.per_head = true;
+  auto rot = CalibrateLayer(*ActivationsFromSynthetic(*cal), copt, nullptr);
+  ASSERT_TRUE(rot.ok()) << rot.status();
+  std::vector<float> k_hat, v_hat;
+  ASSERT_TRUE(DequantizedCache(*data, *rot, 0, &k_hat, &v_hat).ok());
+
+  const int d = 128, hkv = 2, p = 32;
+  const PageGeometry geom{hkv, d, d, p};
+  CpuBackend backend(1);
+  auto block = backend.Allocate(geom.exact_block_bytes());
+  auto page = backend.Allocate(geom.page_bytes());
+  auto out = backend.Allocate(geom.exact_block_bytes());
+  ASSERT_TRUE(block.ok() && page.ok() && out.ok());
+  for (int first = 0; first < data->tokens; first += p) {
+    // Exact block: K [P][H][D] then V [P][H][D].
+    bf16_bits* b = block->as<bf16_bits>();
+    const size_t half = size_t(p) * hkv * d;
+    std::copy_n(&data->k[size_t(first) * hkv * d], half, b);
+    std::copy_n(&data->v[size_t(first) * hkv * d], half, b + half);
+    EncodeJob enc{b, page->as<uint8_t>(), {rot->r_k.data(), rot->r_v.data(), size_t(d) * d},
+                  rot->clip_k, rot->clip_v};
+    ASSERT_TRUE(backend.EncodePages(geom, &enc, 1).ok());
+    DecodeJob dec{page->as<uint8_t>(), out->as<bf16_bits>(),
+                  {rot->r_k.data(), rot->r_v.data(), size_t(d) * d}};
+    ASSERT_TRUE(backend.DecodePages(geom, &dec, 1).ok());
+    const bf16_bits* o = out->as<bf16_bits>();
+    for (size_t e = 0; e < half; ++e) {
+      const float kf = k_hat[size_t(first) * hkv * d + e], vf = v_hat[size_t(first) * hkv * d + e];
+      ASSERT_NEAR(Bf16ToFloat(o[e]), kf, 1e-5 + 8e-3 * std::fabs(kf)) << "K elem " << first << "+" << e;
+      ASSERT_NEAR(Bf16ToFloat(o[half + e]), vf, 1e-5 + 8e-3 * std::fabs(vf)) << "V elem " << first << "+" << e;
+    }
+  }
 }
 
 TEST(Fidelity, FullyProtectedCacheIsExact) {
