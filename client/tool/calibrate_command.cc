@@ -16,6 +16,7 @@ namespace {
 
 constexpr char kUsage[] =
     "usage: oscarkv calibrate --dump ACTIVATIONS.safetensors --out CALIB.safetensors\n"
+    "         [--layout L,Hq,Hkv,D]   (checked against the dump when given)\n"
     "         [--per-head] [--value-target proxy|exact] [--targets attention|self]\n"
     "         [--fit-clip] [--clip-k 0.96] [--clip-v 0.92] [--group-size G]\n"
     "       oscarkv calibrate --hadamard --layout L,Hq,Hkv,D --out CALIB.safetensors\n"
@@ -81,6 +82,15 @@ int RunCalibrate(int argc, char** argv) {
   if (!dump.ok()) return Fail(dump.status());
   std::fprintf(stderr, "dump %s: layout %s\n", flags.String("dump", "").c_str(),
                dump->layout.DebugString().c_str());
+  if (flags.Has("layout")) {
+    auto want = ParseLayout(flags.String("layout", ""));
+    if (!want.ok()) return Fail(want.status());
+    if (!(*want == dump->layout)) {
+      return Fail(absl::InvalidArgumentError(
+          absl::StrCat("the dump has layout ", dump->layout.DebugString(), ", --layout says ",
+                       want->DebugString())));
+    }
+  }
   ModelRotation rot;
   rot.layout = dump->layout;
   rot.objective = opt.targets == TargetKind::kSelfCovariance

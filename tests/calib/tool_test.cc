@@ -57,6 +57,8 @@ TEST(Tool, DumpToCalibrationFileTheLoaderAccepts) {
   ASSERT_TRUE(rot.ok()) << rot.status();
   EXPECT_TRUE(rot->calibrated());
   EXPECT_EQ(rot->objective, "oscar:qqt/sst");
+  EXPECT_EQ(RunTool("calibrate --dump " + dump + " --out " + calib + " --layout 2,8,4,64", &out), 2);
+  EXPECT_THAT(out, HasSubstr("--layout says"));
   // Per-head mode and the data-free mode.
   ASSERT_EQ(RunTool("calibrate --dump " + dump + " --out " + calib + " --per-head", &out), 0) << out;
   rot = ReadCalibrationFile(calib, &layout);
