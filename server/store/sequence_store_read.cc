@@ -1,0 +1,224 @@
+// The read side of SequenceStore: attention (with the fused append), copies
+// of a layer out in the COMPRESSED or BF16 form, the staging buffers they use,
+// and the registration-time backend probe. See sequence_store.h.
+#include <algorithm>
+#include <cmath>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
+#include "server/store/sequence_store.h"
+
+namespace oscarkv {
+
+absl::StatusOr<DeviceBuffer> SequenceStore::TakeStaging(size_t bytes) {
+  {
+    std::lock_guard<std::mutex> lock(staging_mu_);
+    for (size_t i = 0; i < staging_.size(); ++i) {
+      if (staging_[i].size() >= bytes) {
+        DeviceBuffer b = std::move(staging_[i]);
+        staging_.erase(staging_.begin() + i);
+        return b;
+      }
+    }
+  }
+  // First use at this size (or more concurrent calls than before): allocate
+  // once; the buffer is kept for later calls.
+  return backend_->Allocate(bytes);
+}
+
+void SequenceStore::ReturnStaging(DeviceBuffer buffer) {
+  std::lock_guard<std::mutex> lock(staging_mu_);
+  if (staging_.size() < 64) staging_.push_back(std::move(buffer));
+}
+
+absl::Status SequenceStore::Attend(SequenceHandle& seq, int layer, const float* q,
+                                   const bf16_bits* k, const bf16_bits* v, int64_t position,
+                                   float* out, float* lse, int64_t* tokens) {
+  const ModelEntry& m = seq->model();
+  const int num_layers = m.layout.num_layers;
+  if (layer < 0 || layer >= num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", num_layers, ")"));
+  }
+  const int hq = m.layout.num_q_heads, d = m.layout.head_dim;
+  const size_t q_floats = size_t(hq) * d;
+  OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer staging,
+                           TakeStaging((2 * q_floats + size_t(hq)) * sizeof(float)));
+  float* dq = staging.as<float>();
+  float* dout = dq + q_floats;
+  float* dlse = dout + q_floats;
+  absl::Status status = [&]() -> absl::Status {
+    std::lock_guard<std::mutex> lock(seq->mu_);
+    LayerCache& cache = seq->layers_[layer];
+    if ((k == nullptr) != (v == nullptr)) {
+      return absl::InvalidArgumentError("fused append needs both k and v");
+    }
+    if (k != nullptr) {
+      if (position >= 0 && position != cache.tokens()) {
+        return absl::InvalidArgumentError(absl::StrCat(
+            "append position ", position, " but layer ", layer, " holds ", cache.tokens(),
+            " tokens (tokens must be contiguous and in order)"));
+      }
+      const size_t bytes = m.geom.exact_row_elems() * sizeof(bf16_bits);
+      OSCARKV_RETURN_IF_ERROR(AppendLocked(*seq, layer, cache.tokens(), 1, k, bytes, v, bytes));
+    }
+    if (seq->broken_) {
+      return absl::FailedPreconditionError(
+          absl::StrCat("sequence '", seq->id(), "' is unusable after a backend error; drop it"));
+    }
+    std::vector<ExactBlockRef> exact;
+    std::vector<const uint8_t*> pages;
+    cache.AttendRefs(*pool_, &exact, &pages);
+    OSCARKV_RETURN_IF_ERROR(backend_->CopyToDevice(dq, q, q_floats * sizeof(float)));
+    AttendItem item;
+    item.q = dq;
+    item.out = dout;
+    item.lse = dlse;
+    item.rotation = m.codecs[layer].rotation;
+    item.exact = exact.data();
+    item.num_exact = static_cast<int>(exact.size());
+    item.pages = pages.data();
+    item.num_pages = static_cast<int>(pages.size());
+    AttendBatch batch;
+    batch.geom = m.geom;
+    batch.num_q_heads = hq;
+    batch.scale = 1.0f / std::sqrt(static_cast<float>(d));
+    batch.items = &item;
+    batch.num_items = 1;
+    OSCARKV_RETURN_IF_ERROR(backend_->Attend(batch));
+    if (tokens) *tokens = cache.tokens();
+    return absl::OkStatus();
+  }();
+  if (status.ok()) status = backend_->CopyToHost(out, dout, q_floats * sizeof(float));
+  if (status.ok() && lse) status = backend_->CopyToHost(lse, dlse, size_t(hq) * sizeof(float));
+  ReturnStaging(std::move(staging));
+  return status;
+}
+
+absl::Status SequenceStore::ReadCompressed(SequenceHandle& seq, int layer, CompressedLayer* out) {
+  const ModelEntry& m = seq->model();
+  if (layer < 0 || layer >= m.layout.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", m.layout.num_layers, ")"));
+  }
+  std::lock_guard<std::mutex> lock(seq->mu_);
+  const LayerCache& cache = seq->layers_[layer];
+  const int p = m.geom.page_tokens;
+  const size_t row = m.geom.exact_row_elems();
+  out->tokens = cache.tokens();
+  out->counts = cache.counts();
+  // Copies `total` leading rows of the given blocks into k/v host vectors.
+  auto copy_blocks = [&](auto& blocks, int64_t total, std::vector<bf16_bits>* k,
+                         std::vector<bf16_bits>* v) -> absl::Status {
+    k->resize(size_t(total) * row);
+    v->resize(size_t(total) * row);
+    int64_t pos = 0;
+    for (SlotId b : blocks) {
+      const int64_t n = std::min<int64_t>(total - pos, p);
+      if (n <= 0) break;
+      const bf16_bits* src = pool_->block(b);
+      const size_t bytes = size_t(n) * row * sizeof(bf16_bits);
+      OSCARKV_RETURN_IF_ERROR(backend_->CopyToHost(k->data() + pos * row, src, bytes));
+      OSCARKV_RETURN_IF_ERROR(
+          backend_->CopyToHost(v->data() + pos * row, src + size_t(p) * row, bytes));
+      pos += n;
+    }
+    return absl::OkStatus();
+  };
+  OSCARKV_RETURN_IF_ERROR(copy_blocks(cache.sink_blocks(), out->counts.sink, &out->sink_k,
+                                      &out->sink_v));
+  OSCARKV_RETURN_IF_ERROR(copy_blocks(cache.recent_blocks(), out->counts.recent,
+                                      &out->recent_k, &out->recent_v));
+  const size_t page_bytes = m.geom.page_bytes();
+  out->pages.resize(cache.history_pages().size() * page_bytes);
+  for (size_t i = 0; i < cache.history_pages().size(); ++i) {
+    OSCARKV_RETURN_IF_ERROR(backend_->CopyToHost(
+        out->pages.data() + i * page_bytes, pool_->page(cache.history_pages()[i]), page_bytes));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status SequenceStore::ReadBf16(SequenceHandle& seq, int layer, std::vector<bf16_bits>* k,
+                                     std::vector<bf16_bits>* v, int64_t* tokens) {
+  const ModelEntry& m = seq->model();
+  if (layer < 0 || layer >= m.layout.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", m.layout.num_layers, ")"));
+  }
+  std::lock_guard<std::mutex> lock(seq->mu_);
+  const LayerCache& cache = seq->layers_[layer];
+  OSCARKV_ASSIGN_OR_RETURN(Reservation res, ReserveWithEviction(0, 1));
+  const SlotId scratch = res.TakeBlock();
+  const size_t elems = size_t(cache.tokens()) * m.geom.exact_row_elems();
+  k->resize(elems);
+  v->resize(elems);
+  *tokens = cache.tokens();
+  absl::Status s = cache.ReadBf16(m.codecs[layer], *pool_, *backend_, scratch, k->data(),
+                                  v->data());
+  res.ReturnBlock(scratch);
+  return s;
+}
+
+absl::Status SequenceStore::ProbeModel(const ModelEntry& m) {
+  if (m.geom.page_bytes() > pool_->options().page_bytes ||
+      m.geom.exact_block_bytes() > pool_->options().block_bytes) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "model '", m.name, "' needs ", m.geom.page_bytes(), "-byte pages and ",
+        m.geom.exact_block_bytes(), "-byte blocks; this server's pool slots are ",
+        pool_->options().page_bytes, " and ", pool_->options().block_bytes,
+        " (register the model at start with --model to size the pool for it)"));
+  }
+  OSCARKV_ASSIGN_OR_RETURN(Reservation res, ReserveWithEviction(1, 1));
+  const SlotId block = res.TakeBlock();
+  const SlotId page = res.TakePage();
+  absl::Status status = [&]() -> absl::Status {
+    // A block of small finite values, encoded into the page.
+    std::vector<bf16_bits> host(m.geom.exact_block_bytes() / sizeof(bf16_bits));
+    for (size_t i = 0; i < host.size(); ++i) host[i] = FloatToBf16(float(int(i % 7) - 3) / 8.0f);
+    OSCARKV_RETURN_IF_ERROR(
+        backend_->CopyToDevice(pool_->block(block), host.data(), host.size() * sizeof(bf16_bits)));
+    EncodeJob job;
+    job.src_block = pool_->block(block);
+    job.dst_page = pool_->page(page);
+    job.rotation = m.codecs[0].rotation;
+    job.clip_k = m.codecs[0].clip_k;
+    job.clip_v = m.codecs[0].clip_v;
+    OSCARKV_RETURN_IF_ERROR(backend_->EncodePages(m.geom, &job, 1));
+    const size_t q_floats = size_t(m.layout.num_q_heads) * m.layout.head_dim;
+    OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer staging,
+                             TakeStaging((2 * q_floats + m.layout.num_q_heads) * sizeof(float)));
+    std::vector<float> q(q_floats, 0.01f);
+    OSCARKV_RETURN_IF_ERROR(backend_->CopyToDevice(staging.as<float>(), q.data(),
+                                                   q_floats * sizeof(float)));
+    ExactBlockRef exact{pool_->block(block), 1};
+    const uint8_t* pages[1] = {pool_->page(page)};
+    AttendItem item;
+    item.q = staging.as<float>();
+    item.out = staging.as<float>() + q_floats;
+    item.lse = staging.as<float>() + 2 * q_floats;
+    item.rotation = m.codecs[0].rotation;
+    item.exact = &exact;
+    item.num_exact = 1;
+    item.pages = pages;
+    item.num_pages = 1;
+    AttendBatch batch;
+    batch.geom = m.geom;
+    batch.num_q_heads = m.layout.num_q_heads;
+    batch.scale = 1.0f / std::sqrt(float(m.layout.head_dim));
+    batch.items = &item;
+    batch.num_items = 1;
+    absl::Status s = backend_->Attend(batch);
+    ReturnStaging(std::move(staging));
+    return s;
+  }();
+  res.ReturnBlock(block);
+  pool_->FreePages(&page, 1);
+  if (!status.ok()) {
+    return absl::Status(status.code(), absl::StrCat("backend ", backend_->name(),
+                                                    " cannot serve model '", m.name,
+                                                    "': ", status.message()));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace oscarkv
