@@ -2,6 +2,7 @@
 // nothing becomes visible and no pool byte leaks.
 #include <cmath>
 #include <limits>
+#include <thread>
 
 #include "gmock/gmock.h"
 #include "service_fixture.h"
@@ -52,9 +53,16 @@ class BadInput : public ::testing::Test {
     free0_ = ts_.client->Info()->pool().free_bytes();
   }
   void TearDown() override {
-    auto info = ts_.client->Info();
-    ASSERT_TRUE(info.ok());
-    EXPECT_EQ(info->pool().free_bytes(), free0_ + committed_bytes_) << "pool bytes leaked";
+    // A cancelled stream is cleaned up when the server sees the cancellation.
+    int64_t free = -1;
+    for (int i = 0; i < 200; ++i) {
+      auto info = ts_.client->Info();
+      ASSERT_TRUE(info.ok());
+      free = info->pool().free_bytes();
+      if (free == free0_ + committed_bytes_) break;
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    EXPECT_EQ(free, free0_ + committed_bytes_) << "pool bytes leaked";
   }
   void ExpectStatus(const grpc::Status& s, grpc::StatusCode code, const std::string& text) {
     EXPECT_EQ(s.error_code(), code) << s.error_message();
@@ -101,6 +109,11 @@ TEST_F(BadInput, DuplicateSequenceIdIsAlreadyExists) {
   auto first = ts_.client->OpenPut("dup2", kTinyModel, TinyLayout(), false, 0);
   ASSERT_TRUE(first.ok());
   ASSERT_TRUE((*first)->Write(0, 0, 4, data_.k_at(0, 0), data_.v_at(0, 0)).ok());
+  // Wait until the server has taken the first stream's header.
+  for (int i = 0; i < 200 && ts_.server->store().Stats().ingesting == 0; ++i) {
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  ASSERT_EQ(ts_.server->store().Stats().ingesting, 1);
   ExpectStatus(RawPut(*ts_.client, {Header("dup2"), Chunk(data_, 0, 0, 4)}),
                grpc::StatusCode::ALREADY_EXISTS, "being ingested");
   (*first)->Cancel();
