@@ -54,12 +54,17 @@ class AttendLauncher {
 
   const AttendSchedule& schedule() const { return schedule_; }
 
-  // Split-kernel variant for benchmarks: 0 = 3 blocks/SM with register
-  // prefetch of the next chunk (default), 1 = 4 blocks/SM without (D = 128,
-  // G = D only; other shapes use 0), 2 = software-pipelined (QK of the next
-  // chunk next to PV of this one). Takes effect at the next Prepare().
-  // The environment variable OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
+  // Split-kernel variant (measured on an H200, 2026-11-29, tests/bench/RESULTS.md):
+  //   0 = 3 blocks/SM, register double buffer of whole chunks, fp16 q·K;
+  //   1 = 4 blocks/SM, no prefetch (D = 128, G = D; else 0);
+  //   2 = software pipeline (q·K of the next chunk next to P·V of this one);
+  //   3 = 0 with q·K on the integer tensor cores (D = 128, <= 4 query heads
+  //       per kv head; else 0) -- the default, fastest at every measured shape;
+  //   4 = 2 with integer q·K.
+  // Takes effect at the next Prepare(). The environment variable
+  // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
   void set_variant(int variant) { variant_ = variant; }
+  int variant() const { return variant_; }
 
  private:
   AttendLauncher(int device, int num_sms);
@@ -67,7 +72,7 @@ class AttendLauncher {
 
   int device_;
   int num_sms_;
-  int variant_ = 0;
+  int variant_ = 3;
   // Pinned staging (host) and the workspace (device): the upload region first,
   // then device-only scratch (query fragments, partials).
   void* staging_ = nullptr;

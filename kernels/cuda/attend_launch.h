@@ -20,7 +20,7 @@ struct LaunchShape {
   int num_work = 0;
   int kv_heads = 0;
   int hq = 0;
-  int variant = 0;  // split-kernel variant (see attend_kernels.cu)
+  int variant = 3;  // split-kernel variant (see AttendLauncher::set_variant)
 };
 
 // Prep, split-KV and merge kernels, enqueued on `stream`.

