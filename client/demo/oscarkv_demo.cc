@@ -290,7 +290,8 @@ int Main() {
       "  oscarkv put  --server=%s --id my-seq --model %s kv.safetensors\n"
       "  C++: auto c = oscarkv::KvClient::Create(\"%s\"); c->PutSequence(...); "
       "c->OpenAttend(); c->GetKv(...)\n"
-      "  metrics: curl http://localhost:9464/metrics   (stop the server with Ctrl-C / SIGTERM)\n",
+      "  metrics: curl http://<server host>:9464/metrics (its --metrics_listen); stop the "
+      "server with Ctrl-C / SIGTERM\n",
       server.c_str(), server.c_str(), model.c_str(), server.c_str());
   return 0;
 }

@@ -5,7 +5,7 @@
 //   attend  Attend p50/p99 per message (1 and 16 sequences of 32K tokens) vs
 //           the same attention called in-process on the server's store;
 //   memory  pool bytes per token actually held vs the codec's figure.
-// Usage: service_bench [--quick] [--backend=cpu|cuda|auto]   (quick: smaller sizes)
+// Usage: service_bench [--quick] [--backend=cpu|cuda|auto] [--only=memory|attend|ingest]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -269,15 +269,17 @@ void BenchMemory() {
 
 int main(int argc, char** argv) {
   bool quick = false;
+  std::string only;  // --only=memory|attend|ingest
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
+    if (std::strncmp(argv[i], "--only=", 7) == 0) only = argv[i] + 7;
     if (std::strncmp(argv[i], "--backend=", 10) == 0) oscarkv::g_backend = argv[i] + 10;
   }
   std::printf("oscarkv service bench (%s), backend %s, %u hardware threads\n",
               quick ? "quick" : "full", oscarkv::g_backend.c_str(),
               std::thread::hardware_concurrency());
-  oscarkv::BenchMemory();
-  oscarkv::BenchAttend(quick);
-  oscarkv::BenchIngest(quick);
+  if (only.empty() || only == "memory") oscarkv::BenchMemory();
+  if (only.empty() || only == "attend") oscarkv::BenchAttend(quick);
+  if (only.empty() || only == "ingest") oscarkv::BenchIngest(quick);
   return 0;
 }
