@@ -22,7 +22,9 @@ struct LayerRotation {
   int num_matrices = 1;
   std::vector<float> r_k;
   std::vector<float> r_v;
-  std::vector<float> eig_k;  // [num_matrices][D], descending; empty if unknown
+  // [num_matrices][D], in U's column order (calibrate: descending; RotationZoo:
+  // ascending, as the authors store them); empty if unknown.
+  std::vector<float> eig_k;
   std::vector<float> eig_v;
   float clip_k = 0.96f;
   float clip_v = 0.92f;
