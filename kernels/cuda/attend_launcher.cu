@@ -12,6 +12,7 @@
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/attend_kernels.h"
 #include "kernels/cuda/attend_launch.h"
+#include "kernels/cuda/attend_schedule.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/status_macros.h"
 
@@ -161,7 +162,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.variant = variant_;
 
   // Work units: exact blocks first (short), then history ranges sized so that
-  // all units fit in one wave of resident blocks.
+  // all units fit in one wave of resident blocks (attend_schedule.h).
   long total_pages = 0, total_exact = 0;
   for (int i = 0; i < n; ++i) {
     total_pages += b.items[i].num_pages;
@@ -169,29 +170,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
   OSCARKV_ASSIGN_OR_RETURN(const int per_sm, cuda_attend::SplitBlocksPerSm(shape));
   const long capacity = std::max<long>(1, long(per_sm) * num_sms_);
-  // Exact units: (item, kv head, up to `epu` exact blocks); epu grows until
-  // the exact units take at most 1/8 of a wave (or one unit per item-head).
-  long epu = 1;
-  auto count_exact = [&](long e) {
-    long u = 0;
-    for (int i = 0; i < n; ++i) u += (b.items[i].num_exact + e - 1) / e;
-    return u * H;
-  };
-  long max_exact = 1;
-  for (int i = 0; i < n; ++i) max_exact = std::max<long>(max_exact, b.items[i].num_exact);
-  while (epu < max_exact && count_exact(epu) > capacity / 8) ++epu;
-  const long exact_units = total_exact > 0 ? count_exact(epu) : 0;
-  // History units: page ranges sized so that all units run in one wave.
-  const long target = std::max(capacity / 2, capacity - exact_units);
-  long ppu = std::max<long>(1, (total_pages * H + target - 1) / target);
-  auto count_units = [&](long p) {
-    long u = 0;
-    for (int i = 0; i < n; ++i) u += (b.items[i].num_pages + p - 1) / p;
-    return u * H;
-  };
-  while (ppu < (1L << 30) && count_units(ppu) > target) ++ppu;
-  const long history_units = total_pages > 0 ? count_units(ppu) : 0;
-  const long num_work = exact_units + history_units;
+  const cuda_attend::UnitSizes sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity);
+  const long num_work = sizes.num_work();
   if (num_work > (1L << 30) || total_pages > (1L << 30)) {
     return absl::InvalidArgumentError("attention batch too large for one launch");
   }
@@ -221,8 +201,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   auto* exact = reinterpret_cast<ExactBlockRef*>(host + off_exact);
   auto* work = reinterpret_cast<WorkUnit*>(host + off_work);
 
-  long page_pos = 0, exact_pos = 0, partial = 0;
-  int w = 0;
+  long page_pos = 0, exact_pos = 0;
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = b.items[i];
     ItemPlan& ip = items[i];
@@ -246,31 +225,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     if (it.num_exact > 0) std::memcpy(exact + exact_pos, it.exact, sizeof(ExactBlockRef) * it.num_exact);
     page_pos += it.num_pages;
     exact_pos += it.num_exact;
-    const int esplits = it.num_exact > 0 ? static_cast<int>((it.num_exact + epu - 1) / epu) : 0;
-    ip.exact_begin = static_cast<int>(partial);
-    ip.exact_splits = esplits;
-    for (int h = 0; h < H; ++h) {
-      for (int s = 0; s < esplits; ++s) {
-        const int begin = static_cast<int>(s * epu);
-        const int end = static_cast<int>(std::min<long>(it.num_exact, (s + 1) * epu));
-        work[w++] = WorkUnit{i, h, begin, end, static_cast<int>(partial++), 1};
-      }
-    }
   }
-  for (int i = 0; i < n; ++i) {
-    const AttendItem& it = b.items[i];
-    ItemPlan& ip = items[i];
-    const int splits = it.num_pages > 0 ? static_cast<int>((it.num_pages + ppu - 1) / ppu) : 0;
-    ip.hist_begin = static_cast<int>(partial);
-    ip.hist_splits = splits;
-    for (int h = 0; h < H; ++h) {
-      for (int s = 0; s < splits; ++s) {
-        const int begin = static_cast<int>(s * ppu);
-        const int end = static_cast<int>(std::min<long>(it.num_pages, (s + 1) * ppu));
-        work[w++] = WorkUnit{i, h, begin, end, static_cast<int>(partial++), 0};
-      }
-    }
-  }
+  cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, items);
+  const int w = static_cast<int>(num_work);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, host, upload, cudaMemcpyHostToDevice, stream));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_done_, stream));
 
@@ -289,10 +246,10 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   prepared_->shape = shape;
 
   schedule_.num_items = n;
-  schedule_.exact_units = static_cast<int>(exact_units);
-  schedule_.history_units = static_cast<int>(history_units);
-  schedule_.pages_per_unit = static_cast<int>(ppu);
-  schedule_.partials = static_cast<int>(partial);
+  schedule_.exact_units = static_cast<int>(sizes.exact_units);
+  schedule_.history_units = static_cast<int>(sizes.history_units);
+  schedule_.pages_per_unit = static_cast<int>(sizes.pages_per_unit);
+  schedule_.partials = static_cast<int>(num_work);
   schedule_.upload_bytes = upload;
   return absl::OkStatus();
 }

@@ -1,0 +1,121 @@
+// The attention work planner (kernels/cuda/attend_schedule.h), on the CPU: it
+// runs in CI, where the GPU tests skip. Every history page and exact block of
+// every (item, kv head) must be covered by exactly one unit, units must fit in
+// one wave whenever that is possible, and each item's partial ranges must name
+// exactly its units.
+#include <algorithm>
+#include <random>
+#include <set>
+#include <tuple>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/attend_schedule.h"
+
+namespace oscarkv {
+namespace cuda_attend {
+namespace {
+
+struct Case {
+  std::vector<AttendItem> items;
+  int kv_heads;
+  long capacity;
+};
+
+void CheckPlan(const Case& c) {
+  const int n = static_cast<int>(c.items.size()), H = c.kv_heads;
+  const UnitSizes sizes = SizeAttendUnits(c.items.data(), n, H, c.capacity);
+  std::vector<WorkUnit> work(sizes.num_work());
+  std::vector<ItemPlan> plans(n);
+  FillAttendUnits(sizes, c.items.data(), n, H, work.data(), plans.data());
+
+  long pages = 0, exact = 0, item_heads_with_pages = 0;
+  for (const AttendItem& it : c.items) {
+    pages += it.num_pages;
+    exact += it.num_exact;
+    item_heads_with_pages += it.num_pages > 0 ? H : 0;
+  }
+  // One wave: history units never exceed the target share of the capacity
+  // unless every (item, head) already has a single unit.
+  const long target = std::max({1L, std::max<long>(1, c.capacity) / 2,
+                                std::max<long>(1, c.capacity) - sizes.exact_units});
+  if (item_heads_with_pages <= target) EXPECT_LE(sizes.history_units, target);
+  EXPECT_GE(sizes.pages_per_unit, 1);
+  EXPECT_GE(sizes.exact_per_unit, 1);
+
+  // Coverage: each (item, head, page) and (item, head, exact block) once.
+  std::set<std::tuple<int, int, int>> seen_pages, seen_exact;
+  bool exact_phase = true;
+  for (size_t u = 0; u < work.size(); ++u) {
+    const WorkUnit& w = work[u];
+    EXPECT_EQ(w.partial, static_cast<int>(u));
+    ASSERT_GE(w.item, 0);
+    ASSERT_LT(w.item, n);
+    ASSERT_GE(w.kv_head, 0);
+    ASSERT_LT(w.kv_head, H);
+    EXPECT_LT(w.begin, w.end);
+    if (!w.exact) exact_phase = false;
+    EXPECT_TRUE(!w.exact || exact_phase) << "exact units must come first";
+    const AttendItem& it = c.items[w.item];
+    const ItemPlan& p = plans[w.item];
+    if (w.exact) {
+      EXPECT_LE(w.end, it.num_exact);
+      EXPECT_LE(w.end - w.begin, sizes.exact_per_unit);
+      EXPECT_EQ(w.partial, p.exact_begin + w.kv_head * p.exact_splits +
+                               static_cast<int>(w.begin / sizes.exact_per_unit));
+      for (int e = w.begin; e < w.end; ++e) {
+        EXPECT_TRUE(seen_exact.insert({w.item, w.kv_head, e}).second);
+      }
+    } else {
+      EXPECT_LE(w.end, it.num_pages);
+      EXPECT_LE(w.end - w.begin, sizes.pages_per_unit);
+      EXPECT_EQ(w.partial, p.hist_begin + w.kv_head * p.hist_splits +
+                               static_cast<int>(w.begin / sizes.pages_per_unit));
+      for (int pg = w.begin; pg < w.end; ++pg) {
+        EXPECT_TRUE(seen_pages.insert({w.item, w.kv_head, pg}).second);
+      }
+    }
+  }
+  EXPECT_EQ(static_cast<long>(seen_pages.size()), pages * H);
+  EXPECT_EQ(static_cast<long>(seen_exact.size()), exact * H);
+}
+
+AttendItem Item(int pages, int exact) {
+  AttendItem it;
+  it.num_pages = pages;
+  it.num_exact = exact;
+  return it;
+}
+
+TEST(AttendSchedule, CoversEveryPageAndBlockOnceForTheBenchmarkShapes) {
+  // 396 = 3 resident blocks x 132 SMs (H200, default variant).
+  CheckPlan({{Item(4086, 10)}, 8, 396});                    // B=1, 128K
+  CheckPlan({{Item(246, 10)}, 8, 396});                     // B=1, 8K
+  CheckPlan({std::vector<AttendItem>(8, Item(2038, 10)), 8, 396});  // B=8, 64K
+}
+
+TEST(AttendSchedule, HandlesEmptyItemsSinkOnlyItemsAndTinyCapacities) {
+  CheckPlan({{Item(0, 0), Item(0, 1), Item(3, 2), Item(0, 0)}, 2, 1});
+  CheckPlan({{Item(0, 0)}, 4, 396});
+  CheckPlan({{}, 8, 396});
+  CheckPlan({{Item(1, 1)}, 1, 0});
+}
+
+TEST(AttendSchedule, CoversRandomBatches) {
+  std::mt19937 rng(5);
+  for (int trial = 0; trial < 200; ++trial) {
+    Case c;
+    c.kv_heads = 1 + static_cast<int>(rng() % 8);
+    c.capacity = 1 + static_cast<long>(rng() % 600);
+    const int n = static_cast<int>(rng() % 12);
+    for (int i = 0; i < n; ++i) {
+      c.items.push_back(Item(static_cast<int>(rng() % 3000), static_cast<int>(rng() % 14)));
+    }
+    SCOPED_TRACE(trial);
+    CheckPlan(c);
+  }
+}
+
+}  // namespace
+}  // namespace cuda_attend
+}  // namespace oscarkv
