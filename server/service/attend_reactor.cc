@@ -34,15 +34,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
     }
     response_.Clear();
     response_.set_request_id(request_.request_id());
-    for (const v1::AttendItem& item : request_.items()) {
-      v1::AttendResult* result = response_.add_results();
-      const absl::Status status = AttendOne(item, request_.return_lse(), result);
-      if (!status.ok()) {
-        result->Clear();
-        result->set_code(static_cast<int32_t>(status.code()));
-        result->set_error(std::string(status.message()));
-      }
-    }
+    AttendAll();
     StartWrite(&response_);
   }
 
@@ -57,18 +49,18 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
   void OnDone() override { delete this; }
 
  private:
-  absl::Status AttendOne(const v1::AttendItem& item, bool want_lse, v1::AttendResult* result) {
+  // Checks one item and prepares its task (handle, shapes, output buffers).
+  absl::Status Prepare(const v1::AttendItem& item, bool want_lse, v1::AttendResult* result,
+                       SequenceHandle* handle, SequenceStore::AttendTask* task) {
     const ServiceContext& c = svc_->context();
-    OSCARKV_ASSIGN_OR_RETURN(SequenceHandle seq, c.store->Acquire(item.sequence_id()));
-    const ModelLayout& layout = seq->model().layout;
+    OSCARKV_ASSIGN_OR_RETURN(*handle, c.store->Acquire(item.sequence_id()));
+    const ModelLayout& layout = (*handle)->model().layout;
     const size_t q_bytes = size_t(layout.num_q_heads) * layout.head_dim * sizeof(float);
     if (item.q().size() != q_bytes) {
       return absl::InvalidArgumentError(absl::StrCat(
           "q has ", item.q().size(), " bytes; expected ", q_bytes, " = ", layout.num_q_heads,
           " q heads x ", layout.head_dim, " head_dim x 4 bytes (FP32)"));
     }
-    const bf16_bits* k = nullptr;
-    const bf16_bits* v = nullptr;
     if (!item.k().empty() || !item.v().empty()) {
       const size_t kv_bytes = size_t(layout.num_kv_heads) * layout.head_dim * sizeof(bf16_bits);
       if (item.k().size() != kv_bytes || item.v().size() != kv_bytes) {
@@ -77,29 +69,61 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
             " bytes; each must be ", kv_bytes, " = ", layout.num_kv_heads, " kv heads x ",
             layout.head_dim, " head_dim x 2 bytes (BF16)"));
       }
-      k = reinterpret_cast<const bf16_bits*>(item.k().data());
-      v = reinterpret_cast<const bf16_bits*>(item.v().data());
+      task->k = reinterpret_cast<const bf16_bits*>(item.k().data());
+      task->v = reinterpret_cast<const bf16_bits*>(item.v().data());
       if (c.metrics) c.metrics->AddIngestBytesIn(int64_t(2 * kv_bytes));
     }
     std::string* out = result->mutable_out();
     out->resize(q_bytes);
-    std::string* lse = nullptr;
+    task->out = reinterpret_cast<float*>(out->data());
     if (want_lse) {
-      lse = result->mutable_lse();
+      std::string* lse = result->mutable_lse();
       lse->resize(size_t(layout.num_q_heads) * sizeof(float));
+      task->lse = reinterpret_cast<float*>(lse->data());
     }
-    const int64_t position = item.position() > 0 ? item.position() : -1;
-    int64_t tokens = 0;
-    const auto t0 = Clock::now();
-    OSCARKV_RETURN_IF_ERROR(c.store->Attend(
-        seq, item.layer(), reinterpret_cast<const float*>(item.q().data()), k, v, position,
-        reinterpret_cast<float*>(out->data()),
-        lse ? reinterpret_cast<float*>(lse->data()) : nullptr, &tokens));
-    if (c.metrics) {
-      c.metrics->ObserveAttention(std::chrono::duration<double>(Clock::now() - t0).count());
-    }
-    result->set_tokens(tokens);
+    task->seq = handle;
+    task->layer = item.layer();
+    task->q = reinterpret_cast<const float*>(item.q().data());
+    task->position = item.position() > 0 ? item.position() : -1;
     return absl::OkStatus();
+  }
+
+  // Answers every item of request_ in response_ (one backend batch per model).
+  void AttendAll() {
+    const ServiceContext& c = svc_->context();
+    const int n = request_.items_size();
+    std::vector<SequenceHandle> handles(n);
+    std::vector<SequenceStore::AttendTask> tasks;
+    std::vector<int> task_item;
+    std::vector<absl::Status> status(n);
+    for (int i = 0; i < n; ++i) {
+      v1::AttendResult* result = response_.add_results();
+      SequenceStore::AttendTask task;
+      status[i] = Prepare(request_.items(i), request_.return_lse(), result, &handles[i], &task);
+      if (status[i].ok()) {
+        tasks.push_back(task);
+        task_item.push_back(i);
+      }
+    }
+    const auto t0 = Clock::now();
+    absl::Status all = c.store->AttendMany(tasks);
+    if (c.metrics && !tasks.empty()) {
+      const double per_item =
+          std::chrono::duration<double>(Clock::now() - t0).count() / double(tasks.size());
+      for (size_t j = 0; j < tasks.size(); ++j) c.metrics->ObserveAttention(per_item);
+    }
+    for (size_t j = 0; j < tasks.size(); ++j) {
+      const int i = task_item[j];
+      status[i] = all.ok() ? tasks[j].status : all;
+      if (status[i].ok()) response_.mutable_results(i)->set_tokens(tasks[j].tokens);
+    }
+    for (int i = 0; i < n; ++i) {
+      if (status[i].ok()) continue;
+      v1::AttendResult* result = response_.mutable_results(i);
+      result->Clear();
+      result->set_code(static_cast<int32_t>(status[i].code()));
+      result->set_error(std::string(status[i].message()));
+    }
   }
 
   void Done(const absl::Status& status) {

@@ -180,6 +180,24 @@ class SequenceStore {
                       const bf16_bits* v, int64_t position, float* out, float* lse,
                       int64_t* tokens);
 
+  // Many attention items at once: every distinct sequence is locked once
+  // (in address order), fused appends run in item order, and the items of
+  // each model go to the backend in one batch. Each task gets its own status;
+  // the return value is only for failures of the whole call (staging memory).
+  struct AttendTask {
+    SequenceHandle* seq = nullptr;
+    int layer = 0;
+    const float* q = nullptr;  // host [Hq][D]
+    const bf16_bits* k = nullptr;  // optional fused append, host [Hkv][D]
+    const bf16_bits* v = nullptr;
+    int64_t position = -1;
+    float* out = nullptr;  // host [Hq][D]
+    float* lse = nullptr;  // host [Hq] or null
+    int64_t tokens = 0;    // out: tokens attended
+    absl::Status status;   // out
+  };
+  absl::Status AttendMany(std::vector<AttendTask>& tasks);
+
   absl::Status ReadCompressed(SequenceHandle& seq, int layer, CompressedLayer* out);
   // Whole layer in BF16 [T][Hkv][D]: sink and recent bit-exact, history decoded.
   absl::Status ReadBf16(SequenceHandle& seq, int layer, std::vector<bf16_bits>* k,

@@ -34,65 +34,127 @@ void SequenceStore::ReturnStaging(DeviceBuffer buffer) {
 absl::Status SequenceStore::Attend(SequenceHandle& seq, int layer, const float* q,
                                    const bf16_bits* k, const bf16_bits* v, int64_t position,
                                    float* out, float* lse, int64_t* tokens) {
-  const ModelEntry& m = seq->model();
-  const int num_layers = m.layout.num_layers;
-  if (layer < 0 || layer >= num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " out of range [0, ", num_layers, ")"));
+  std::vector<AttendTask> tasks(1);
+  AttendTask& t = tasks[0];
+  t.seq = &seq;
+  t.layer = layer;
+  t.q = q;
+  t.k = k;
+  t.v = v;
+  t.position = position;
+  t.out = out;
+  t.lse = lse;
+  OSCARKV_RETURN_IF_ERROR(AttendMany(tasks));
+  if (tokens) *tokens = t.tokens;
+  return t.status;
+}
+
+absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
+  // Staging layout per task: q [Hq*D], out [Hq*D], lse [Hq] floats.
+  std::vector<size_t> offset(tasks.size());
+  size_t floats = 0;
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    const ModelLayout& l = (*tasks[i].seq)->model().layout;
+    offset[i] = floats;
+    floats += 2 * size_t(l.num_q_heads) * l.head_dim + size_t(l.num_q_heads);
   }
-  const int hq = m.layout.num_q_heads, d = m.layout.head_dim;
-  const size_t q_floats = size_t(hq) * d;
-  OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer staging,
-                           TakeStaging((2 * q_floats + size_t(hq)) * sizeof(float)));
-  float* dq = staging.as<float>();
-  float* dout = dq + q_floats;
-  float* dlse = dout + q_floats;
-  absl::Status status = [&]() -> absl::Status {
-    std::lock_guard<std::mutex> lock(seq->mu_);
-    LayerCache& cache = seq->layers_[layer];
-    if ((k == nullptr) != (v == nullptr)) {
-      return absl::InvalidArgumentError("fused append needs both k and v");
-    }
-    if (k != nullptr) {
-      if (position >= 0 && position != cache.tokens()) {
-        return absl::InvalidArgumentError(absl::StrCat(
-            "append position ", position, " but layer ", layer, " holds ", cache.tokens(),
-            " tokens (tokens must be contiguous and in order)"));
-      }
-      const size_t bytes = m.geom.exact_row_elems() * sizeof(bf16_bits);
-      OSCARKV_RETURN_IF_ERROR(AppendLocked(*seq, layer, cache.tokens(), 1, k, bytes, v, bytes));
-    }
-    if (seq->broken_) {
-      return absl::FailedPreconditionError(
-          absl::StrCat("sequence '", seq->id(), "' is unusable after a backend error; drop it"));
-    }
+  if (floats == 0) return absl::OkStatus();
+  OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer staging, TakeStaging(floats * sizeof(float)));
+  float* base = staging.as<float>();
+
+  // Lock every distinct sequence once, in address order.
+  std::vector<Sequence*> seqs;
+  for (const AttendTask& t : tasks) seqs.push_back(&**t.seq);
+  std::sort(seqs.begin(), seqs.end());
+  seqs.erase(std::unique(seqs.begin(), seqs.end()), seqs.end());
+  std::vector<std::unique_lock<std::mutex>> locks;
+  for (Sequence* s : seqs) locks.emplace_back(s->mu_);
+
+  // Fused appends in item order, then the device references of each item.
+  struct Refs {
     std::vector<ExactBlockRef> exact;
     std::vector<const uint8_t*> pages;
-    cache.AttendRefs(*pool_, &exact, &pages);
-    OSCARKV_RETURN_IF_ERROR(backend_->CopyToDevice(dq, q, q_floats * sizeof(float)));
-    AttendItem item;
-    item.q = dq;
-    item.out = dout;
-    item.lse = dlse;
-    item.rotation = m.codecs[layer].rotation;
-    item.exact = exact.data();
-    item.num_exact = static_cast<int>(exact.size());
-    item.pages = pages.data();
-    item.num_pages = static_cast<int>(pages.size());
+  };
+  std::vector<Refs> refs(tasks.size());
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    AttendTask& t = tasks[i];
+    Sequence& seq = **t.seq;
+    const ModelEntry& m = seq.model();
+    t.status = [&]() -> absl::Status {
+      if (t.layer < 0 || t.layer >= m.layout.num_layers) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", t.layer, " out of range [0, ",
+                                                       m.layout.num_layers, ")"));
+      }
+      LayerCache& cache = seq.layers_[t.layer];
+      if ((t.k == nullptr) != (t.v == nullptr)) {
+        return absl::InvalidArgumentError("fused append needs both k and v");
+      }
+      if (t.k != nullptr) {
+        if (t.position >= 0 && t.position != cache.tokens()) {
+          return absl::InvalidArgumentError(absl::StrCat(
+              "append position ", t.position, " but layer ", t.layer, " holds ", cache.tokens(),
+              " tokens (tokens must be contiguous and in order)"));
+        }
+        const size_t bytes = m.geom.exact_row_elems() * sizeof(bf16_bits);
+        OSCARKV_RETURN_IF_ERROR(
+            AppendLocked(seq, t.layer, cache.tokens(), 1, t.k, bytes, t.v, bytes));
+      }
+      if (seq.broken_) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "sequence '", seq.id(), "' is unusable after a backend error; drop it"));
+      }
+      cache.AttendRefs(*pool_, &refs[i].exact, &refs[i].pages);
+      t.tokens = cache.tokens();
+      return backend_->CopyToDevice(base + offset[i], t.q,
+                                    size_t(m.layout.num_q_heads) * m.layout.head_dim * 4);
+    }();
+  }
+
+  // One backend batch per model, over the items still OK.
+  std::vector<const ModelEntry*> models;
+  for (const AttendTask& t : tasks) models.push_back(&(*t.seq)->model());
+  std::vector<const ModelEntry*> distinct = models;
+  std::sort(distinct.begin(), distinct.end());
+  distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
+  for (const ModelEntry* m : distinct) {
+    const size_t qf = size_t(m->layout.num_q_heads) * m->layout.head_dim;
+    std::vector<AttendItem> items;
+    std::vector<size_t> which;
+    for (size_t i = 0; i < tasks.size(); ++i) {
+      if (models[i] != m || !tasks[i].status.ok()) continue;
+      AttendItem item;
+      item.q = base + offset[i];
+      item.out = base + offset[i] + qf;
+      item.lse = base + offset[i] + 2 * qf;
+      item.rotation = m->codecs[tasks[i].layer].rotation;
+      item.exact = refs[i].exact.data();
+      item.num_exact = static_cast<int>(refs[i].exact.size());
+      item.pages = refs[i].pages.data();
+      item.num_pages = static_cast<int>(refs[i].pages.size());
+      items.push_back(item);
+      which.push_back(i);
+    }
+    if (items.empty()) continue;
     AttendBatch batch;
-    batch.geom = m.geom;
-    batch.num_q_heads = hq;
-    batch.scale = 1.0f / std::sqrt(static_cast<float>(d));
-    batch.items = &item;
-    batch.num_items = 1;
-    OSCARKV_RETURN_IF_ERROR(backend_->Attend(batch));
-    if (tokens) *tokens = cache.tokens();
-    return absl::OkStatus();
-  }();
-  if (status.ok()) status = backend_->CopyToHost(out, dout, q_floats * sizeof(float));
-  if (status.ok() && lse) status = backend_->CopyToHost(lse, dlse, size_t(hq) * sizeof(float));
+    batch.geom = m->geom;
+    batch.num_q_heads = m->layout.num_q_heads;
+    batch.scale = 1.0f / std::sqrt(static_cast<float>(m->layout.head_dim));
+    batch.items = items.data();
+    batch.num_items = static_cast<int>(items.size());
+    const absl::Status s = backend_->Attend(batch);
+    for (size_t i : which) {
+      AttendTask& t = tasks[i];
+      t.status = s;
+      if (t.status.ok()) t.status = backend_->CopyToHost(t.out, base + offset[i] + qf, qf * 4);
+      if (t.status.ok() && t.lse) {
+        t.status = backend_->CopyToHost(t.lse, base + offset[i] + 2 * qf,
+                                        size_t(m->layout.num_q_heads) * 4);
+      }
+    }
+  }
+  locks.clear();
   ReturnStaging(std::move(staging));
-  return status;
+  return absl::OkStatus();
 }
 
 absl::Status SequenceStore::ReadCompressed(SequenceHandle& seq, int layer, CompressedLayer* out) {

@@ -159,6 +159,50 @@ TEST(Service, AppendAcrossDemotionBoundaryKeepsTiersAndAttention) {
   EXPECT_EQ(ts.client->Stat("a")->tokens(), 60);
 }
 
+TEST(Service, OneAttendMessageMixesSequencesLayersAppendsAndErrors) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 61, 12);
+  std::vector<bf16_bits> k60, v60;
+  for (int l = 0; l < 2; ++l) {
+    k60.insert(k60.end(), data.k_at(l, 0), data.k_at(l, 60));
+    v60.insert(v60.end(), data.v_at(l, 0), data.v_at(l, 60));
+  }
+  ASSERT_TRUE(ts.client->PutSequence("m1", kTinyModel, layout, 60, k60.data(), v60.data()).ok());
+  ASSERT_TRUE(ts.client->PutSequence("m2", kTinyModel, layout, 60, k60.data(), v60.data()).ok());
+  ASSERT_TRUE(ts.client->PutSequence("ref", kTinyModel, layout, 61, data.k.data(), data.v.data()).ok());
+  const std::vector<float> q = RandomQuery(layout, 4);
+  // m1: append token 60 on both layers (same sequence twice in one message),
+  // a bad layer in between, m2 without append, an unknown sequence.
+  std::vector<AttendQuery> batch = {
+      {"m1", 0, q.data(), data.k_at(0, 60), data.v_at(0, 60), 60},
+      {"m1", 5, q.data()},
+      {"m1", 1, q.data(), data.k_at(1, 60), data.v_at(1, 60), 60},
+      {"m2", 1, q.data()},
+      {"nope", 0, q.data()},
+  };
+  auto r = ts.client->Attend(batch, layout, true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_THAT(*r, SizeIs(5));
+  EXPECT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  EXPECT_EQ((*r)[1].status.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE((*r)[2].status.ok()) << (*r)[2].status;
+  EXPECT_TRUE((*r)[3].status.ok()) << (*r)[3].status;
+  EXPECT_EQ((*r)[4].status.code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ((*r)[0].tokens, 61);
+  EXPECT_EQ((*r)[2].tokens, 61);
+  EXPECT_EQ((*r)[3].tokens, 60);
+  EXPECT_EQ(ts.client->Stat("m1")->tokens(), 61);
+  // The fused results equal attention over a sequence put with all 61 tokens.
+  auto ref = ts.client->Attend({AttendQuery{"ref", 0, q.data()}, AttendQuery{"ref", 1, q.data()}},
+                               layout, true);
+  ASSERT_TRUE(ref.ok());
+  EXPECT_EQ((*r)[0].out, (*ref)[0].out);
+  EXPECT_EQ((*r)[2].out, (*ref)[1].out);
+  EXPECT_EQ((*r)[2].lse, (*ref)[1].lse);
+}
+
 TEST(Service, DropListAndInfoReflectTheStore) {
   TestServer ts;
   ASSERT_NE(ts.client, nullptr);
