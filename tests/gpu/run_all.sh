@@ -4,11 +4,20 @@
 #
 #   tests/gpu/run_all.sh OUT_DIR [BUNDLE_DIR]
 #
-# BUNDLE_DIR (default .gpu) holds bin/ and lib/ made on the build machine by
+# Build and bundle on the dev machine first (no GPU needed there):
+#   cmake -S . -B build-cuda -G Ninja -DCMAKE_BUILD_TYPE=Release -DOSCARKV_NATIVE=OFF \
+#         -DCMAKE_CUDA_ARCHITECTURES=90
+#   ninja -C build-cuda cuda_codec_test cuda_attend_test oscarkv_gpu_bench
 #   /work/shared/tools/gpu-bundle .gpu build-cuda/tests/gpu/cuda_codec_test \
 #       build-cuda/tests/gpu/cuda_attend_test build-cuda/tests/gpu/oscarkv_gpu_bench
+# then on the GPU host (the device tool: carry [".gpu"]), e.g.
+#   tests/gpu/run_all.sh /tmp/gpuout .gpu; tar czf $OUT/gpu_logs.tgz -C /tmp gpuout
+# (the device tool brings back at most 8 files: tar the folder). Takes ~3 min
+# with everything on; SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests (~2 min).
+#
 # Environment: SKIP_SANITIZER=1 skips compute-sanitizer; SKIP_BENCH=1 skips
-# the benchmark; BENCH_ITERS (default 200).
+# the benchmark and the PyTorch baseline; BENCH_ITERS (default 200); NCU=1 adds
+# ncu profiles of the attention and encode kernels and the SASS of the bench.
 set -u
 out=${1:?usage: run_all.sh OUT_DIR [BUNDLE_DIR]}
 bundle=${2:-.gpu}
