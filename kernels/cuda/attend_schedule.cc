@@ -1,9 +1,80 @@
 #include "kernels/cuda/attend_schedule.h"
 
 #include <algorithm>
+#include <cmath>
+#include <cstdint>
+
+#include "absl/strings/str_cat.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/status_macros.h"
 
 namespace oscarkv {
 namespace cuda_attend {
+
+namespace {
+bool Aligned8(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 7u) == 0; }
+}  // namespace
+
+absl::Status CheckAttendBatch(const AttendBatch& b) {
+  OSCARKV_RETURN_IF_ERROR(ValidateGeometry(b.geom));
+  const int H = b.geom.kv_heads, D = b.geom.head_dim;
+  if (b.num_q_heads <= 0 || b.num_q_heads % H != 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("num_q_heads ", b.num_q_heads, " must be a positive multiple of kv_heads ", H));
+  }
+  if (b.num_q_heads / H > 8) {
+    return absl::UnimplementedError(absl::StrCat("CUDA attention supports at most 8 query heads ",
+                                                 "per kv head, got ", b.num_q_heads / H));
+  }
+  if (b.geom.group_size < D / 4) {
+    return absl::UnimplementedError(absl::StrCat("CUDA attention needs group_size >= head_dim/4 (",
+                                                 D / 4, "), got ", b.geom.group_size));
+  }
+  if (b.geom.page_tokens % 32 != 0) {
+    return absl::UnimplementedError(absl::StrCat(
+        "CUDA attention needs page_tokens to be a multiple of 32, got ", b.geom.page_tokens));
+  }
+  if (!(b.scale > 0.0f) || !std::isfinite(b.scale)) {
+    return absl::InvalidArgumentError(absl::StrCat("attention scale must be finite and > 0, got ",
+                                                   b.scale));
+  }
+  if (b.num_items < 0 || (b.num_items > 0 && b.items == nullptr)) {
+    return absl::InvalidArgumentError("attention batch has no item array");
+  }
+  for (int i = 0; i < b.num_items; ++i) {
+    const AttendItem& it = b.items[i];
+    if (it.q == nullptr || it.out == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has no q or out"));
+    }
+    if (it.num_pages < 0 || it.num_exact < 0) {
+      return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has negative counts"));
+    }
+    if (it.num_pages > 0) {
+      if (it.pages == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has no page table"));
+      }
+      if (it.rotation.r_k == nullptr || it.rotation.r_v == nullptr) {
+        return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has no rotation"));
+      }
+    }
+    if (it.num_exact > 0 && it.exact == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " has no exact blocks"));
+    }
+    for (int e = 0; e < it.num_exact; ++e) {
+      const ExactBlockRef& x = it.exact[e];
+      if (x.tokens < 0 || x.tokens > b.geom.page_tokens) {
+        return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " exact block ", e,
+                                                       " has ", x.tokens, " tokens"));
+      }
+      if (x.tokens > 0 && (x.block == nullptr || !Aligned8(x.block))) {
+        return absl::InvalidArgumentError(absl::StrCat("attention item ", i, " exact block ", e,
+                                                       " is null or not 8-byte aligned"));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
+
 
 UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity) {
   UnitSizes u;

@@ -4,11 +4,19 @@
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_SCHEDULE_H_
 #define OSCARKV_KERNELS_CUDA_ATTEND_SCHEDULE_H_
 
+#include "absl/status/status.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/attend_plan.h"
 
 namespace oscarkv {
 namespace cuda_attend {
+
+// Checks a batch against the backend contract and this implementation's
+// limits: INVALID_ARGUMENT for bad input (null pointers, counts, token counts
+// outside [0, P], unaligned blocks), UNIMPLEMENTED for shapes the CUDA kernels
+// do not cover (more than 8 query heads per kv head, G < D/4, P not a multiple
+// of 32). Page pointers are checked while they are copied (AttendLauncher).
+absl::Status CheckAttendBatch(const AttendBatch& batch);
 
 struct UnitSizes {
   long exact_per_unit = 1;  // sink / recent blocks per exact unit

@@ -6,6 +6,7 @@
 #include <algorithm>
 #include <random>
 #include <set>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -114,6 +115,52 @@ TEST(AttendSchedule, CoversRandomBatches) {
     SCOPED_TRACE(trial);
     CheckPlan(c);
   }
+}
+
+TEST(AttendSchedule, CheckRefusesBadItemsAndUnsupportedShapesWithClearCodes) {
+  float q[4 * 128], out[4 * 128];
+  alignas(8) bf16_bits block[8];
+  ExactBlockRef exact{block, 32};
+  AttendItem item;
+  item.q = q;
+  item.out = out;
+  item.exact = &exact;
+  item.num_exact = 1;
+  AttendBatch b{PageGeometry{1, 128, 128, 32}, 4, 0.088f, &item, 1};
+  EXPECT_TRUE(CheckAttendBatch(b).ok()) << CheckAttendBatch(b);
+
+  AttendBatch bad = b;
+  bad.num_q_heads = 6;  // 6 query heads on 1 kv head: supported (<= 8)
+  EXPECT_TRUE(CheckAttendBatch(bad).ok());
+  bad.num_q_heads = 16;
+  EXPECT_EQ(CheckAttendBatch(bad).code(), absl::StatusCode::kUnimplemented);
+  bad = b;
+  bad.geom.group_size = 16;
+  EXPECT_EQ(CheckAttendBatch(bad).code(), absl::StatusCode::kUnimplemented);
+  bad = b;
+  bad.geom.page_tokens = 48;
+  exact.tokens = 32;
+  EXPECT_EQ(CheckAttendBatch(bad).code(), absl::StatusCode::kUnimplemented);
+  bad = b;
+  bad.geom.head_dim = 96;
+  EXPECT_EQ(CheckAttendBatch(bad).code(), absl::StatusCode::kInvalidArgument);
+  bad = b;
+  bad.scale = 0.0f;
+  EXPECT_EQ(CheckAttendBatch(bad).code(), absl::StatusCode::kInvalidArgument);
+
+  exact.tokens = 33;  // more than P
+  EXPECT_EQ(CheckAttendBatch(b).code(), absl::StatusCode::kInvalidArgument);
+  exact.tokens = 32;
+  exact.block = reinterpret_cast<const bf16_bits*>(reinterpret_cast<const char*>(block) + 2);
+  EXPECT_EQ(CheckAttendBatch(b).code(), absl::StatusCode::kInvalidArgument);
+  exact.block = block;
+  item.num_pages = 3;  // no page table
+  EXPECT_EQ(CheckAttendBatch(b).code(), absl::StatusCode::kInvalidArgument);
+  item.num_pages = 0;
+  item.q = nullptr;
+  const absl::Status st = CheckAttendBatch(b);
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_NE(std::string(st.message()).find("item 0"), std::string::npos) << st;
 }
 
 }  // namespace
