@@ -285,7 +285,7 @@ int Main() {
     if (!dropped.ok()) return Fail("DropSequence", dropped.status());
   }
   std::printf(
-      "\nThe server keeps running. Point your own client at it:\n"
+      "\nPoint your own client at the server while it runs:\n"
       "  oscarkv info --server=%s        # backend, pool, models\n"
       "  oscarkv put  --server=%s --id my-seq --model %s kv.safetensors\n"
       "  C++: auto c = oscarkv::KvClient::Create(\"%s\"); c->PutSequence(...); "
