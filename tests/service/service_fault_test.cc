@@ -87,6 +87,36 @@ TEST(Fault, KilledClientMidPutLeavesNoSequenceAndNoPages) {
   EXPECT_EQ(ts.server->store().Stats().ingesting, 0);
 }
 
+TEST(Fault, DropWhileReadingFreesWhenTheReaderFinishes) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const int64_t free0 = ts.client->Info()->pool().free_bytes();
+  const KvData data = MakeKv(TinyLayout(), 100, 8);
+  ASSERT_TRUE(ts.client->PutSequence("r", kTinyModel, TinyLayout(), 100, data.k.data(),
+                                     data.v.data()).ok());
+  const int64_t held = free0 - ts.client->Info()->pool().free_bytes();
+  ASSERT_GT(held, 0);
+  {
+    auto reader = ts.server->store().Acquire("r");  // e.g. a GetKv in progress
+    ASSERT_TRUE(reader.ok());
+    auto freed = ts.client->Drop("r");
+    ASSERT_TRUE(freed.ok());
+    EXPECT_EQ(*freed, held);
+    // Gone for new calls, but its memory stays until the reader is done.
+    EXPECT_EQ(ts.client->Stat("r").status().code(), absl::StatusCode::kNotFound);
+    EXPECT_EQ(ts.client->Info()->pool().free_bytes(), free0 - held);
+    CompressedLayer layer;
+    EXPECT_TRUE(ts.server->store().ReadCompressed(*reader, 1, &layer).ok());
+    EXPECT_EQ(layer.tokens, 100);
+    // The id can be reused at once.
+    EXPECT_TRUE(ts.client->PutSequence("r", kTinyModel, TinyLayout(), 100, data.k.data(),
+                                       data.v.data()).ok());
+    EXPECT_TRUE(ts.client->Drop("r").ok());
+  }
+  EXPECT_EQ(ts.client->Info()->pool().free_bytes(), free0);
+  EXPECT_EQ(ts.server->store().Stats().committed.slot_bytes, 0);
+}
+
 // 28 exact blocks (a 100-token tiny sequence holds 8 and needs 17 at its
 // ingest peak) and ~150 pages: two sequences fit, not three.
 ServerOptions SmallPool(EvictionPolicy policy) {
