@@ -18,7 +18,7 @@ struct ToolRun {
 };
 
 ToolRun Tool(const std::string& args) {
-  const std::string path = ::testing::TempDir() + "/tool_out.txt";
+  const std::string path = ::testing::TempDir() + "/svc_tool_out.txt";
   const std::string cmd = std::string(OSCARKV_TOOL) + " " + args + " > " + path + " 2>&1";
   const int rc = std::system(cmd.c_str());
   std::ifstream f(path);
@@ -26,12 +26,12 @@ ToolRun Tool(const std::string& args) {
   return ToolRun{WIFEXITED(rc) ? WEXITSTATUS(rc) : -1, out};
 }
 
-TEST(Tool, ServiceCommandsWorkEndToEndWithScriptableExitCodes) {
+TEST(ServiceTool, ServiceCommandsWorkEndToEndWithScriptableExitCodes) {
   TestServer ts;
   ASSERT_NE(ts.client, nullptr);
   const std::string server = "--server=" + ts.server->address();
-  const std::string dump = ::testing::TempDir() + "/tool_dump.safetensors";
-  const std::string back = ::testing::TempDir() + "/tool_back.safetensors";
+  const std::string dump = ::testing::TempDir() + "/svc_tool_dump.safetensors";
+  const std::string back = ::testing::TempDir() + "/svc_tool_back.safetensors";
   ASSERT_EQ(Tool("gen-synthetic --out " + dump +
                  " --layers 2 --q-heads 8 --kv-heads 2 --head-dim 64 --tokens 100 --dtype bf16")
                 .code,
