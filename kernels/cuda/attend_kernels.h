@@ -66,6 +66,12 @@ class AttendLauncher {
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }
 
+  // For benchmarks only (the time of each kernel in its place in the call):
+  // Launch() enqueues the first `stages` kernels, 1 = prep, 2 = prep and
+  // split, 3 = all (the default; anything else leaves out / lse unwritten).
+  // Takes effect at the next Prepare().
+  void set_launch_stages(int stages) { stages_ = stages; }
+
  private:
   AttendLauncher(int device, int num_sms);
   absl::Status Reserve(size_t upload_bytes, size_t device_bytes);
@@ -73,6 +79,7 @@ class AttendLauncher {
   int device_;
   int num_sms_;
   int variant_ = 3;
+  int stages_ = 3;
   // Pinned staging (host) and the workspace (device): the upload region first,
   // then device-only scratch (query fragments, partials).
   void* staging_ = nullptr;

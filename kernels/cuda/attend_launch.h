@@ -21,6 +21,8 @@ struct LaunchShape {
   int kv_heads = 0;
   int hq = 0;
   int variant = 3;  // split-kernel variant (see AttendLauncher::set_variant)
+  int stages = 3;   // kernels enqueued: 1 = prep, 2 = + split, 3 = + merge (all)
+  bool wide_merge = false;  // MergeBatch(head_dim, true): some kv head has many partials
 };
 
 // Prep, split-KV and merge kernels, enqueued on `stream`.

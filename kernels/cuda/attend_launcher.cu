@@ -100,6 +100,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.kv_heads = H;
   shape.hq = b.num_q_heads;
   shape.variant = variant_;
+  shape.stages = stages_;
 
   // Work units: exact blocks first (short), then history ranges sized so that
   // all units fit in one wave of resident blocks (attend_schedule.h).
@@ -167,6 +168,11 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     exact_pos += it.num_exact;
   }
   cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, items);
+  int max_splits = 0;
+  for (int i = 0; i < n; ++i) {
+    max_splits = std::max(max_splits, items[i].hist_splits + items[i].exact_splits);
+  }
+  shape.wide_merge = max_splits > cuda_attend::kWarps * cuda_attend::MergeBatch(D, false);
   const int w = static_cast<int>(num_work);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, host, upload, cudaMemcpyHostToDevice, stream));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_done_, stream));

@@ -47,6 +47,12 @@ struct WorkUnit {
 // Floats per partial: acc [g][D], then m [g], then l [g].
 inline constexpr size_t PartialFloats(int g, int d) { return size_t(g) * (d + 2); }
 
+// Partials each warp of the merge kernel loads before combining them (one
+// round of memory latency covers 4 warps x this many): the wide merge is for
+// batches with many splits per kv head (few items), the narrow one needs
+// fewer registers (more resident blocks when there are many items).
+inline constexpr int MergeBatch(int d, bool wide) { return (wide ? 16 : 8) / (d > 128 ? 2 : 1); }
+
 // Per query head: {2^E, qsum[4 groups], 0, 0, 0} (see the prep kernel).
 inline constexpr int kQueryMetaFloats = 8;
 

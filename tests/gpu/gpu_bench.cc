@@ -267,6 +267,22 @@ int Main(int argc, char** argv) {
     CK(cudaStreamSynchronize(stream));
     const double us = TimeEvents(stream, 3 * sets, iters,
                                  [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
+    // Where the time goes (default variant): the same calls cut after the
+    // prep kernel, after the split kernel, and whole (the merge then adds the
+    // rest); each stage runs in its place in the call, with PDL overlaps.
+    double stage_us[2] = {0, 0};
+    if (variant == default_variant) {
+      for (int st = 1; st <= 3; ++st) {
+        for (int s = 0; s < sets; ++s) {
+          launchers[s]->set_launch_stages(st);
+          CKS(launchers[s]->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
+        }
+        CK(cudaStreamSynchronize(stream));
+        if (st == 3) break;
+        stage_us[st - 1] = TimeEvents(stream, 3 * sets, iters,
+                                      [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
+      }
+    }
     // CUDA graphs of each set's three launches.
     std::vector<cudaGraphExec_t> execs(sets);
     for (int s = 0; s < sets; ++s) {
@@ -312,12 +328,18 @@ int Main(int argc, char** argv) {
                 graph_us, call_us, sdpa, sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0,
                 bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, sets,
                 bad ? "  NON-FINITE OUTPUT" : (nonzero == 0 ? "  ALL ZERO" : ""));
+    if (variant == default_variant) {
+      std::printf("%-13s   stages: prep %.1f us, prep+split %.1f us, all %.1f us "
+                  "(split adds %.1f, merge adds %.1f)\n",
+                  "", stage_us[0], stage_us[1], us, stage_us[1] - stage_us[0], us - stage_us[1]);
+    }
     const auto& sc = launchers[0]->schedule();
     rows.push_back({{"shape", key}, {"variant", variant}, {"us", us}, {"graph_us", graph_us}, {"call_us", call_us},
                     {"sdpa_us", sdpa}, {"speedup", sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0},
                     {"bytes", bytes}, {"gbs", gbs}, {"pct_copy", 100.0 * gbs / copy_gbs},
                     {"history_units", sc.history_units}, {"exact_units", sc.exact_units},
-                    {"pages_per_unit", sc.pages_per_unit}, {"nonfinite", bad}});
+                    {"pages_per_unit", sc.pages_per_unit}, {"nonfinite", bad},
+                    {"prep_us", stage_us[0]}, {"prep_split_us", stage_us[1]}});
   }
   out["attention"] = rows;
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
