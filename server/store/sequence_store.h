@@ -259,6 +259,7 @@ class SequenceStore {
 
   std::mutex staging_mu_;
   std::vector<DeviceBuffer> staging_ ABSL_GUARDED_BY(staging_mu_);
+  size_t staging_bytes_ ABSL_GUARDED_BY(staging_mu_) = 0;  // cached in staging_
 };
 
 // Checks a sequence id: 1..256 bytes of printable ASCII.

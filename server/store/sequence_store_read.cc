@@ -15,6 +15,7 @@ absl::StatusOr<DeviceBuffer> SequenceStore::TakeStaging(size_t bytes) {
     std::lock_guard<std::mutex> lock(staging_mu_);
     for (size_t i = 0; i < staging_.size(); ++i) {
       if (staging_[i].size() >= bytes) {
+        staging_bytes_ -= staging_[i].size();
         DeviceBuffer b = std::move(staging_[i]);
         staging_.erase(staging_.begin() + i);
         return b;
@@ -27,8 +28,13 @@ absl::StatusOr<DeviceBuffer> SequenceStore::TakeStaging(size_t bytes) {
 }
 
 void SequenceStore::ReturnStaging(DeviceBuffer buffer) {
+  // Keep at most 64 buffers and 64 MiB for reuse; a larger one is freed.
+  constexpr size_t kMaxCachedBytes = size_t{64} << 20;
   std::lock_guard<std::mutex> lock(staging_mu_);
-  if (staging_.size() < 64) staging_.push_back(std::move(buffer));
+  if (staging_.size() < 64 && staging_bytes_ + buffer.size() <= kMaxCachedBytes) {
+    staging_bytes_ += buffer.size();
+    staging_.push_back(std::move(buffer));
+  }
 }
 
 absl::Status SequenceStore::Attend(SequenceHandle& seq, int layer, const float* q,
