@@ -227,6 +227,26 @@ TEST(Service, DropListAndInfoReflectTheStore) {
   EXPECT_THAT(ids, ElementsAre("x", "y", "z"));
   EXPECT_LT(ts.client->Info()->pool().free_bytes(), free0);
 
+  // Paging through the raw API, two per page.
+  std::vector<std::string> paged;
+  std::string token;
+  int pages = 0;
+  do {
+    grpc::ClientContext ctx;
+    v1::ListSequencesRequest req;
+    req.set_page_size(2);
+    req.set_page_token(token);
+    v1::ListSequencesResponse resp;
+    ASSERT_TRUE(ts.client->stub().ListSequences(&ctx, req, &resp).ok());
+    for (const auto& s : resp.sequences()) paged.push_back(s.sequence_id());
+    token = resp.next_page_token();
+    ++pages;
+  } while (!token.empty() && pages < 10);
+  EXPECT_THAT(paged, ElementsAre("x", "y", "z"));
+  EXPECT_EQ(pages, 2);
+  EXPECT_EQ(ts.client->List("nope").status().code(), absl::StatusCode::kNotFound);
+  EXPECT_EQ(ts.client->List("tiny")->size(), 3u);
+
   auto freed = ts.client->Drop("y");
   ASSERT_TRUE(freed.ok());
   EXPECT_GT(*freed, 0);
