@@ -8,14 +8,22 @@
 namespace oscarkv {
 namespace cuda_attend {
 
-// Lane owns dims [lane*EL, (lane+1)*EL) of every row.
+// Lane owns dims [lane*EL, (lane+1)*EL) of every row. A warp handles its
+// share of each exact block in steps of kTokensPerStep tokens: the rows of a
+// step are loaded into Rows (LoadRows) before they are used (Step), so the
+// split kernel can issue the first step's loads before it waits for the prep
+// kernel.
 template <int D, int HG>
 struct ExactWarp {
   static constexpr int EL = D / 32;
-  static constexpr int kTokensPerStep = 4;
+  static constexpr int kTokensPerStep = D <= 128 ? 8 : 4;
   float q[HG][EL];
   float acc[HG][EL];
   float m[HG], l[HG];
+
+  struct Rows {
+    float k[kTokensPerStep][EL], v[kTokensPerStep][EL];
+  };
 
   __device__ static void LoadRow(const bf16_bits* row, float (&x)[EL]) {
     if constexpr (EL == 2) {
@@ -34,6 +42,7 @@ struct ExactWarp {
     }
   }
 
+  // The scaled query (from the prep kernel) and zero state.
   __device__ void Init(const LaunchArgs& a, int item, int h, int lane) {
     const int g = a.g;
     const int D0 = lane * EL;
@@ -49,53 +58,55 @@ struct ExactWarp {
     }
   }
 
-  // Tokens [t0, t1) of one exact block.
-  __device__ void Run(const LaunchArgs& a, int h, const ExactBlockRef& blk, int t0, int t1,
-                      int lane) {
-    const int g = a.g;
-    const int D0 = lane * EL;
+  // K and V rows of tokens [t, min(t1, t + kTokensPerStep)) of one exact
+  // block (zeros past t1). Reads no state.
+  __device__ static void LoadRows(const LaunchArgs& a, int h, const ExactBlockRef& blk, int t,
+                                  int t1, int lane, Rows& r) {
     const size_t row_elems = a.geom.exact_row_elems();
-    const bf16_bits* kb = blk.block + size_t(h) * D + D0;
+    const bf16_bits* kb = blk.block + size_t(h) * D + lane * EL;
     const bf16_bits* vb = kb + size_t(a.geom.page_tokens) * row_elems;
-    for (int t = t0; t < t1; t += kTokensPerStep) {
-      float k[kTokensPerStep][EL], v[kTokensPerStep][EL];
+#pragma unroll
+    for (int u = 0; u < kTokensPerStep; ++u) {
+      if (t + u < t1) {
+        LoadRow(kb + size_t(t + u) * row_elems, r.k[u]);
+        LoadRow(vb + size_t(t + u) * row_elems, r.v[u]);
+      } else {
+#pragma unroll
+        for (int e = 0; e < EL; ++e) r.k[u][e] = r.v[u][e] = 0.0f;
+      }
+    }
+  }
+
+  // Online softmax and accumulation over the tokens of one step.
+  __device__ void Step(int g, const Rows& r, int t, int t1) {
+#pragma unroll
+    for (int hh = 0; hh < HG; ++hh) {
+      if (hh >= g) break;
+      float lg[kTokensPerStep];
 #pragma unroll
       for (int u = 0; u < kTokensPerStep; ++u) {
-        if (t + u < t1) {
-          LoadRow(kb + size_t(t + u) * row_elems, k[u]);
-          LoadRow(vb + size_t(t + u) * row_elems, v[u]);
-        } else {
+        float s = 0.0f;
 #pragma unroll
-          for (int e = 0; e < EL; ++e) k[u][e] = v[u][e] = 0.0f;
-        }
+        for (int e = 0; e < EL; ++e) s = fmaf(q[hh][e], r.k[u][e], s);
+#pragma unroll
+        for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
+        lg[u] = t + u < t1 ? s : -INFINITY;
       }
+      float cm = lg[0];
 #pragma unroll
-      for (int hh = 0; hh < HG; ++hh) {
-        if (hh >= g) break;
-        float lg[kTokensPerStep];
+      for (int u = 1; u < kTokensPerStep; ++u) cm = fmaxf(cm, lg[u]);
+      const float mn = fmaxf(m[hh], cm);
+      const float f = exp2f(m[hh] - mn);
+      m[hh] = mn;
+      l[hh] *= f;
 #pragma unroll
-        for (int u = 0; u < kTokensPerStep; ++u) {
-          float s = 0.0f;
+      for (int e = 0; e < EL; ++e) acc[hh][e] *= f;
 #pragma unroll
-          for (int e = 0; e < EL; ++e) s = fmaf(q[hh][e], k[u][e], s);
+      for (int u = 0; u < kTokensPerStep; ++u) {
+        const float p = exp2f(lg[u] - mn);
+        l[hh] += p;
 #pragma unroll
-          for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
-          lg[u] = t + u < t1 ? s : -INFINITY;
-        }
-        float cm = fmaxf(fmaxf(lg[0], lg[1]), fmaxf(lg[2], lg[3]));
-        const float mn = fmaxf(m[hh], cm);
-        const float f = exp2f(m[hh] - mn);
-        m[hh] = mn;
-        l[hh] *= f;
-#pragma unroll
-        for (int e = 0; e < EL; ++e) acc[hh][e] *= f;
-#pragma unroll
-        for (int u = 0; u < kTokensPerStep; ++u) {
-          const float p = exp2f(lg[u] - mn);
-          l[hh] += p;
-#pragma unroll
-          for (int e = 0; e < EL; ++e) acc[hh][e] = fmaf(p, v[u][e], acc[hh][e]);
-        }
+        for (int e = 0; e < EL; ++e) acc[hh][e] = fmaf(p, r.v[u][e], acc[hh][e]);
       }
     }
   }

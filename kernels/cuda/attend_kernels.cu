@@ -65,22 +65,53 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   }
   __syncwarp();
   if (wu.exact) {
+    // Exact blocks [begin, end); each block's tokens split over the 4 warps,
+    // in steps of Ex::kTokensPerStep tokens. The block references are held one
+    // per lane (blocks [base, base + 32)); the first step's rows are loaded
+    // before waiting for the prep kernel.
+    using Ex = ExactWarp<D, HG>;
+    Ex ex;
+    const int nb = wu.end - wu.begin;
+    int base = 0;
+    auto fetch_ref = [&](int b0) {
+      ExactBlockRef r{nullptr, 0};
+      if (b0 + lane < nb) r = item.exact[wu.begin + b0 + lane];
+      return r;
+    };
+    ExactBlockRef my_ref = fetch_ref(0);
+    ExactBlockRef blk{nullptr, 0};
+    int e = 0, t = 0, t1 = 0;
+    // Moves to the first block at or after `from` with tokens for this warp.
+    auto seek = [&](int from) {
+      for (e = from; e < nb; ++e) {
+        if (e >= base + 32) {
+          base += 32;
+          my_ref = fetch_ref(base);
+        }
+        blk.block = reinterpret_cast<const bf16_bits*>(__shfl_sync(
+            kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
+        blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
+        const int per = (blk.tokens + kWarps - 1) / kWarps;
+        t = warp * per;
+        t1 = min(blk.tokens, t + per);
+        if (t < t1) return;
+      }
+    };
+    typename Ex::Rows rows;
+    seek(0);
+    if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
     WaitForPrerequisites();  // the prep kernel's scaled queries
     LaunchDependents();
-    // Exact blocks [begin, end); each block's tokens split over the 4 warps.
-    ExactWarp<D, HG> ex;
-    ex.Init(a, wu.item, wu.kv_head, lane);
-    bool any = false;
-    for (int e = wu.begin; e < wu.end; ++e) {
-      const ExactBlockRef blk = item.exact[e];
-      const int per = (blk.tokens + kWarps - 1) / kWarps;
-      const int t0 = warp * per, t1 = min(blk.tokens, t0 + per);
-      if (t0 < t1) {
-        ex.Run(a, wu.kv_head, blk, t0, t1, lane);
-        any = true;
+    if (e < nb) {
+      ex.Init(a, wu.item, wu.kv_head, lane);
+      while (e < nb) {
+        ex.Step(a.g, rows, t, t1);
+        t += Ex::kTokensPerStep;
+        if (t >= t1) seek(e + 1);
+        if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
       }
+      ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
     }
-    if (any) ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
   } else {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (wu.end - wu.begin) * cpp;

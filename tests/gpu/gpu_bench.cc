@@ -7,6 +7,10 @@
 //
 // Timing: CUDA events around each launch after warm-up, medians; the cache is
 // rotated over several page sets so that L2 never holds it; inputs are random.
+// Each row is timed twice: calls issued one by one (ours_us, as in earlier
+// runs: includes launch latency when the GPU waits for the CPU) and with a
+// batch of calls queued behind a held stream (GPU side; TimeEventsQueued),
+// next to the same two figures of SDPA.
 //
 //   oscarkv_gpu_bench [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]
 //                     [--variant N]   (split-kernel variant, see AttendLauncher::set_variant;
@@ -14,6 +18,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -67,6 +72,45 @@ double TimeEvents(cudaStream_t s, int warmup, int iters, Fn&& fn) {
     CK(cudaEventRecord(ev[2 * i + 1], s));
   }
   CK(cudaStreamSynchronize(s));
+  std::vector<double> t(iters);
+  for (int i = 0; i < iters; ++i) {
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    t[i] = ms * 1000.0;
+  }
+  for (auto& e : ev) CK(cudaEventDestroy(e));
+  return Median(t);
+}
+
+// Median GPU-side time of fn(i), in microseconds: the stream is held by a
+// host function until a batch of calls (with their events) is enqueued, so
+// the events time the GPU's work and gaps alone, not the CPU's launch calls
+// (TimeEvents times calls issued one by one, which at small shapes includes
+// the launch latency when the GPU waits for the CPU).
+template <typename Fn>
+double TimeEventsQueued(cudaStream_t s, int warmup, int iters, Fn&& fn) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  constexpr int kBatch = 25;  // calls queued behind one hold (well inside the launch queue)
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) CK(cudaEventCreate(&e));
+  for (int b0 = 0; b0 < iters; b0 += kBatch) {
+    std::atomic<int> go{0};
+    CK(cudaLaunchHostFunc(
+        s,
+        [](void* p) {
+          auto* flag = static_cast<std::atomic<int>*>(p);
+          while (flag->load(std::memory_order_acquire) == 0) {
+          }
+        },
+        &go));
+    for (int i = b0; i < std::min(iters, b0 + kBatch); ++i) {
+      CK(cudaEventRecord(ev[2 * i], s));
+      fn(i);
+      CK(cudaEventRecord(ev[2 * i + 1], s));
+    }
+    go.store(1, std::memory_order_release);
+    CK(cudaStreamSynchronize(s));
+  }
   std::vector<double> t(iters);
   for (int i = 0; i < iters; ++i) {
     float ms = 0;
@@ -267,9 +311,12 @@ int Main(int argc, char** argv) {
     CK(cudaStreamSynchronize(stream));
     const double us = TimeEvents(stream, 3 * sets, iters,
                                  [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
-    // Where the time goes (default variant): the same calls cut after the
-    // prep kernel, after the split kernel, and whole (the merge then adds the
-    // rest); each stage runs in its place in the call, with PDL overlaps.
+    const double gpu_us = TimeEventsQueued(
+        stream, 3 * sets, iters, [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
+    // Where the time goes (default variant, GPU side): the same calls cut
+    // after the prep kernel, after the split kernel, and whole (the merge then
+    // adds the rest); each stage runs in its place in the call, with PDL
+    // overlaps.
     double stage_us[2] = {0, 0};
     if (variant == default_variant) {
       for (int st = 1; st <= 3; ++st) {
@@ -279,8 +326,8 @@ int Main(int argc, char** argv) {
         }
         CK(cudaStreamSynchronize(stream));
         if (st == 3) break;
-        stage_us[st - 1] = TimeEvents(stream, 3 * sets, iters,
-                                      [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
+        stage_us[st - 1] = TimeEventsQueued(
+            stream, 3 * sets, iters, [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
       }
     }
     // CUDA graphs of each set's three launches.
@@ -318,9 +365,13 @@ int Main(int argc, char** argv) {
                           double(tiers.sink + tiers.recent) * 8 * D * 2 * 2);
     const double gbs = bytes / us / 1e3;
     const std::string key = "B" + std::to_string(sh.batch) + "_S" + std::to_string(sh.tokens);
-    double sdpa = 0;
+    double sdpa = 0, sdpa_gpu = 0;
     if (baseline.is_object() && baseline.contains("sdpa_us") && baseline["sdpa_us"].contains(key)) {
       sdpa = baseline["sdpa_us"][key].get<double>();
+    }
+    if (baseline.is_object() && baseline.contains("sdpa_gpu_us") &&
+        baseline["sdpa_gpu_us"].contains(key)) {
+      sdpa_gpu = baseline["sdpa_gpu_us"][key].get<double>();
     }
     const std::string label =
         key + "/v" + std::to_string(variant) + (variant == default_variant ? "*" : "");
@@ -328,10 +379,13 @@ int Main(int argc, char** argv) {
                 graph_us, call_us, sdpa, sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0,
                 bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, sets,
                 bad ? "  NON-FINITE OUTPUT" : (nonzero == 0 ? "  ALL ZERO" : ""));
+    std::printf("%-13s   GPU side (calls queued): ours %.1f us, SDPA %.1f us, speedup %.2f\n", "",
+                gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0);
     if (variant == default_variant) {
-      std::printf("%-13s   stages: prep %.1f us, prep+split %.1f us, all %.1f us "
+      std::printf("%-13s   GPU-side stages: prep %.1f us, prep+split %.1f us, all %.1f us "
                   "(split adds %.1f, merge adds %.1f)\n",
-                  "", stage_us[0], stage_us[1], us, stage_us[1] - stage_us[0], us - stage_us[1]);
+                  "", stage_us[0], stage_us[1], gpu_us, stage_us[1] - stage_us[0],
+                  gpu_us - stage_us[1]);
     }
     const auto& sc = launchers[0]->schedule();
     rows.push_back({{"shape", key}, {"variant", variant}, {"us", us}, {"graph_us", graph_us}, {"call_us", call_us},
@@ -339,6 +393,7 @@ int Main(int argc, char** argv) {
                     {"bytes", bytes}, {"gbs", gbs}, {"pct_copy", 100.0 * gbs / copy_gbs},
                     {"history_units", sc.history_units}, {"exact_units", sc.exact_units},
                     {"pages_per_unit", sc.pages_per_unit}, {"nonfinite", bad},
+                    {"gpu_us", gpu_us}, {"sdpa_gpu_us", sdpa_gpu},
                     {"prep_us", stage_us[0]}, {"prep_split_us", stage_us[1]}});
   }
   out["attention"] = rows;

@@ -15,7 +15,10 @@
 # (the device tool brings back at most 8 files: tar the folder). Takes ~3 min
 # with everything on; SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests (~2 min).
 #
-# Environment: SKIP_SANITIZER=1 skips compute-sanitizer; SKIP_BENCH=1 skips
+# Environment: QUICK=1 (~3 min) runs the default variant's attention tests in
+# full, variants 0 and 2 on D = 128 only (not 1 and 4), the benchmark before
+# the sanitizer, and a smaller sanitizer set, 50 s at most each (memcheck,
+# racecheck and initcheck of the attention, memcheck of the codec); SKIP_SANITIZER=1 skips compute-sanitizer; SKIP_BENCH=1 skips
 # the benchmark and the PyTorch baseline; BENCH_ITERS (default 200); NCU=1 adds
 # ncu profiles of the attention and encode kernels and the SASS of the bench.
 set -u
@@ -39,6 +42,17 @@ run() {  # name, command...
   return $rc
 }
 
+quick=${QUICK:-0}
+# Variant runs: all configurations, or D = 128 only (QUICK=1).
+vfilter() { if [ "$quick" = 1 ]; then echo '*D128*:CudaAttendDefaults.*'; else echo "$1"; fi; }
+
+bench() {
+  run sdpa_baseline env PYTHONUNBUFFERED=1 python3 "$here/sdpa_baseline.py" --json "$out/sdpa.json" \
+    --iters "${BENCH_ITERS:-200}"
+  run gpu_bench "$bundle/bin/oscarkv_gpu_bench" --baseline "$out/sdpa.json" --json "$out/bench.json" \
+    --iters "${BENCH_ITERS:-200}"
+}
+
 for t in cuda_codec_test cuda_attend_test; do
   run "$t" "$bundle/bin/$t" --gtest_output="json:$out/$t.json"
   grep -E "^(encode|decode|round trip|D=|Qwen3)|FAILED|Failure" "$out/$t.log" | head -60
@@ -46,23 +60,36 @@ done
 
 # The attention tests again with the other split-kernel variants (see
 # AttendLauncher::set_variant; the default is 3): 1 differs for D = 128 only.
-run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
+[ "$quick" = 1 ] || run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
   --gtest_filter='*D128*:CudaAttendDefaults.*' --gtest_output="json:$out/cuda_attend_test_variant1.json"
 grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head -20
 run cuda_attend_test_variant2 env OSCARKV_CUDA_ATTEND_VARIANT=2 "$bundle/bin/cuda_attend_test" \
-  --gtest_output="json:$out/cuda_attend_test_variant2.json"
+  --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant2.json"
 grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant2.log" | head -40
 run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cuda_attend_test" \
-  --gtest_output="json:$out/cuda_attend_test_variant0.json"
+  --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant0.json"
 grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
-for v in 4; do  # integer q·K: differs from 2 for D = 128, g <= 4 only
+for v in $([ "$quick" = 1 ] || echo 4); do  # integer q·K: differs from 2 for D = 128, g <= 4 only
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g1*:*D128_g4*:CudaAttendDefaults.*' \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
   grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant$v.log" | head -20
 done
 
-if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
+if [ "$quick" = 1 ] && [ "${SKIP_BENCH:-0}" != 1 ]; then bench; fi
+
+if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
+  cs="timeout 50 compute-sanitizer"
+  run sanitizer_memcheck_attend $cs --tool memcheck --error-exitcode 9 \
+    "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4:*D256_g1_groups2:*D128_g8_groups2:CudaAttendLimits.*'
+  run sanitizer_racecheck_attend $cs --tool racecheck --error-exitcode 9 \
+    "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
+  run sanitizer_initcheck_attend $cs --tool initcheck --error-exitcode 9 \
+    "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2:*D128_g1_groups1'
+  run sanitizer_memcheck_codec $cs --tool memcheck --error-exitcode 9 \
+    "$bundle/bin/cuda_codec_test"
+  for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
+elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   run sanitizer_memcheck_codec compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test"
   run sanitizer_memcheck_attend compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -80,12 +107,7 @@ if [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; 
   for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
 fi
 
-if [ "${SKIP_BENCH:-0}" != 1 ]; then
-  run sdpa_baseline env PYTHONUNBUFFERED=1 python3 "$here/sdpa_baseline.py" --json "$out/sdpa.json" \
-    --iters "${BENCH_ITERS:-200}"
-  run gpu_bench "$bundle/bin/oscarkv_gpu_bench" --baseline "$out/sdpa.json" --json "$out/bench.json" \
-    --iters "${BENCH_ITERS:-200}"
-fi
+if [ "$quick" != 1 ] && [ "${SKIP_BENCH:-0}" != 1 ]; then bench; fi
 
 # Optional (NCU=1): hardware counters of the three attention kernels at
 # B=1 8K and of the split kernel at 128K, the encode kernel, and the SASS.

@@ -2,7 +2,9 @@
 """PyTorch BF16 baseline for the GPU benchmark: one layer of decode attention,
 q [B, 32, 1, 128], k/v [B, 8, S, 128], torch scaled_dot_product_attention with
 enable_gqa=True under SDPBackend.CUDNN_ATTENTION, at the shapes of
-gpu_bench.cc. CUDA events around each call after warm-up, medians; k/v rotate
+gpu_bench.cc. CUDA events around each call after warm-up, medians, timed twice:
+calls issued one by one (sdpa_us) and batches queued behind a spin kernel (GPU
+side, sdpa_gpu_us); k/v rotate
 over several buffers so that L2 never holds them; random inputs.
 
 usage: sdpa_baseline.py --json sdpa.json [--iters 200]
@@ -33,6 +35,27 @@ def time_events(fn, warmup, iters):
     return t[len(t) // 2]
 
 
+def time_events_queued(fn, warmup, iters, batch=25):
+    """GPU-side time: each batch of calls is queued behind a spin kernel, so
+    the events time the GPU's work alone, not Python's launch calls."""
+    for i in range(warmup):
+        fn(i)
+    t = []
+    for b0 in range(0, iters, batch):
+        n = min(batch, iters - b0)
+        starts = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        ends = [torch.cuda.Event(enable_timing=True) for _ in range(n)]
+        torch.cuda._sleep(20_000_000)  # ~10 ms: longer than enqueueing the batch
+        for j in range(n):
+            starts[j].record()
+            fn(b0 + j)
+            ends[j].record()
+        torch.cuda.synchronize()
+        t += [s.elapsed_time(e) * 1000.0 for s, e in zip(starts, ends)]
+    t.sort()
+    return t[len(t) // 2]
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
@@ -40,7 +63,8 @@ def main():
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
-    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sdpa_us": {}}
+    out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sdpa_us": {},
+           "sdpa_gpu_us": {}}
 
     n = 1 << 28  # 512 MiB of bf16
     a = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
@@ -50,7 +74,7 @@ def main():
     del a, b
     print(f"torch copy bandwidth (read+write): {out['copy_gbs']:.0f} GB/s")
 
-    print(f"{'shape':<10} {'sdpa_us':>9} {'sets':>5} {'GB/s':>7}")
+    print(f"{'shape':<10} {'sdpa_us':>9} {'gpu_us':>9} {'sets':>5} {'GB/s':>7}")
     for batch, s in SHAPES:
         kv_bytes = 2 * batch * 8 * s * 128 * 2
         sets = max(2, min(8, (4 * L2_BYTES) // kv_bytes + 1))
@@ -61,9 +85,11 @@ def main():
             def call(i):
                 F.scaled_dot_product_attention(q, ks[i % sets], vs[i % sets], enable_gqa=True)
             us = time_events(call, 3 * sets, args.iters)
+            gpu_us = time_events_queued(call, 3 * sets, args.iters)
         key = f"B{batch}_S{s}"
         out["sdpa_us"][key] = us
-        print(f"{key:<10} {us:9.1f} {sets:5d} {kv_bytes / us / 1e3:7.0f}")
+        out["sdpa_gpu_us"][key] = gpu_us
+        print(f"{key:<10} {us:9.1f} {gpu_us:9.1f} {sets:5d} {kv_bytes / us / 1e3:7.0f}")
         del ks, vs
         torch.cuda.empty_cache()
     with open(args.json, "w") as f:
