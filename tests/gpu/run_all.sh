@@ -15,10 +15,11 @@
 # (the device tool brings back at most 8 files: tar the folder). Takes ~3 min
 # with everything on; SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests (~2 min).
 #
-# Environment: QUICK=1 (~3 min) runs the default variant's attention tests in
-# full, variants 0 and 2 on D = 128 only (not 1 and 4), the benchmark before
-# the sanitizer, and a smaller sanitizer set, 50 s at most each (memcheck,
-# racecheck and initcheck of the attention, memcheck of the codec); SKIP_SANITIZER=1 skips compute-sanitizer; SKIP_BENCH=1 skips
+# Environment: QUICK=1 (100 s on the H200, 2026-11-29) runs the default
+# variant's attention tests in full, variants 0 and 2 on D = 128 only (not 1
+# and 4), the benchmark before the sanitizer, and a smaller sanitizer set, 50 s
+# at most each (memcheck, racecheck and initcheck of the attention, memcheck
+# of the codec); SKIP_SANITIZER=1 skips compute-sanitizer; SKIP_BENCH=1 skips
 # the benchmark and the PyTorch baseline; BENCH_ITERS (default 200); NCU=1 adds
 # ncu profiles of the attention and encode kernels and the SASS of the bench.
 set -u
