@@ -15,6 +15,7 @@ size_t RowElems(const ModelLayout& l) { return size_t(l.num_kv_heads) * l.head_d
 template <typename T>
 void AppendBytes(const std::string& bytes, std::vector<T>* out) {
   const size_t n = bytes.size() / sizeof(T);
+  if (n == 0) return;
   const size_t old = out->size();
   out->resize(old + n);
   std::memcpy(out->data() + old, bytes.data(), n * sizeof(T));
