@@ -213,6 +213,10 @@ class SequenceStore {
   // Committed sequences of `model`.
   int64_t CountSequences(const std::string& model) const;
 
+  // Allocates `count` attention staging buffers of `bytes` at start, so that
+  // Attend messages up to that size allocate nothing on the request path.
+  absl::Status WarmStaging(size_t bytes, int count);
+
   // Runs one tiny encode + attention for `model` on the backend (one exact
   // block and one page from the pool, returned afterwards), so a model the
   // backend cannot serve (e.g. a page size its kernels do not implement) is

@@ -27,6 +27,14 @@ absl::StatusOr<DeviceBuffer> SequenceStore::TakeStaging(size_t bytes) {
   return backend_->Allocate(bytes);
 }
 
+absl::Status SequenceStore::WarmStaging(size_t bytes, int count) {
+  for (int i = 0; i < count; ++i) {
+    OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer b, backend_->Allocate(bytes));
+    ReturnStaging(std::move(b));
+  }
+  return absl::OkStatus();
+}
+
 void SequenceStore::ReturnStaging(DeviceBuffer buffer) {
   // Keep at most 64 buffers and 64 MiB for reuse; a larger one is freed.
   constexpr size_t kMaxCachedBytes = size_t{64} << 20;
