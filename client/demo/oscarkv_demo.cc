@@ -24,6 +24,8 @@
 #include "absl/flags/flag.h"
 #include "absl/flags/parse.h"
 #include "absl/flags/usage.h"
+#include "absl/flags/usage_config.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "client/kv_client.h"
 #include "client/local_attention.h"
@@ -406,6 +408,12 @@ int main(int argc, char** argv) {
   absl::SetProgramUsageMessage(
       "oscarkv-demo --server=HOST:PORT: prefill -> fused decode attention -> compressed fetch "
       "against a running oscarkv-server");
+  absl::FlagsUsageConfig usage;  // --help lists this file's flags (the binary name differs)
+  usage.contains_help_flags = [](absl::string_view file) {
+    return absl::EndsWith(file, "demo/oscarkv_demo.cc");
+  };
+  usage.contains_helpshort_flags = usage.contains_help_flags;
+  absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
   return oscarkv::Main();
 }
