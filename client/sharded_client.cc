@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <future>
 
 #include "kernels/status_macros.h"
 
@@ -77,15 +78,27 @@ absl::StatusOr<std::vector<AttendOutput>> ShardedClient::Attend(
   for (size_t i = 0; i < queries.size(); ++i) {
     by_shard[RendezvousPick(targets_, queries[i].sequence_id)].push_back(i);
   }
-  std::vector<AttendOutput> out(queries.size());
+  // One round trip per server involved, all in flight at once, so that the
+  // servers compute in parallel.
+  std::vector<std::future<absl::StatusOr<std::vector<AttendOutput>>>> pending(clients_.size());
   for (size_t s = 0; s < clients_.size(); ++s) {
     if (by_shard[s].empty()) continue;
     std::vector<AttendQuery> part;
     for (size_t i : by_shard[s]) part.push_back(queries[i]);
-    OSCARKV_ASSIGN_OR_RETURN(std::vector<AttendOutput> res,
-                             clients_[s]->Attend(part, layout, return_lse));
-    for (size_t j = 0; j < res.size(); ++j) out[by_shard[s][j]] = std::move(res[j]);
+    pending[s] = clients_[s]->AttendAsync(std::move(part), layout, return_lse);
   }
+  std::vector<AttendOutput> out(queries.size());
+  absl::Status first_error;
+  for (size_t s = 0; s < clients_.size(); ++s) {
+    if (!pending[s].valid()) continue;
+    absl::StatusOr<std::vector<AttendOutput>> res = pending[s].get();
+    if (!res.ok()) {
+      if (first_error.ok()) first_error = res.status();
+      continue;
+    }
+    for (size_t j = 0; j < res->size(); ++j) out[by_shard[s][j]] = std::move((*res)[j]);
+  }
+  if (!first_error.ok()) return first_error;
   return out;
 }
 
