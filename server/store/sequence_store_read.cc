@@ -5,6 +5,7 @@
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/status_macros.h"
 #include "server/store/sequence_store.h"
 
@@ -99,6 +100,10 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
         return absl::InvalidArgumentError(absl::StrCat("layer ", t.layer, " out of range [0, ",
                                                        m.layout.num_layers, ")"));
       }
+      // Before any append: a bad query must leave the sequence unchanged, and the
+      // CUDA kernels do not check their inputs.
+      OSCARKV_RETURN_IF_ERROR(
+          ValidateQuery(t.q, size_t(m.layout.num_q_heads) * m.layout.head_dim));
       LayerCache& cache = seq.layers_[t.layer];
       if ((t.k == nullptr) != (t.v == nullptr)) {
         return absl::InvalidArgumentError("fused append needs both k and v");

@@ -166,6 +166,28 @@ TEST_F(BadInput, NonFiniteValuesAreRefused) {
                grpc::StatusCode::INVALID_ARGUMENT, "k of layer 0 contains NaN or Inf");
 }
 
+TEST_F(BadInput, NonFiniteQueryFailsItsItemOnlyAndAppendsNothing) {
+  ASSERT_TRUE(ts_.client->PutSequence("fq", kTinyModel, TinyLayout(), 40, data_.k.data(),
+                                      data_.v.data())
+                  .ok());
+  const std::vector<float> good = RandomQuery(TinyLayout(), 2);
+  std::vector<float> bad = good;
+  bad[7] = std::numeric_limits<float>::quiet_NaN();
+  // The bad item also carries a fused append: it must not be applied.
+  auto r = ts_.client->Attend({AttendQuery{"fq", 0, good.data()},
+                               AttendQuery{"fq", 1, bad.data(), data_.k_at(1, 0),
+                                           data_.v_at(1, 0), 40}},
+                              TinyLayout(), false);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  ExpectStatus((*r)[1].status, absl::StatusCode::kInvalidArgument,
+               "query contains a non-finite value at index 7");
+  auto stat = ts_.client->Stat("fq");
+  ASSERT_TRUE(stat.ok());
+  EXPECT_EQ(stat->tokens(), 40);
+  ASSERT_TRUE(ts_.client->Drop("fq").ok());
+}
+
 TEST_F(BadInput, EmptyStreamsAreRefused) {
   ExpectStatus(RawPut(*ts_.client, {}), grpc::StatusCode::INVALID_ARGUMENT, "without a header");
   ExpectStatus(RawPut(*ts_.client, {Header("e")}), grpc::StatusCode::INVALID_ARGUMENT,
