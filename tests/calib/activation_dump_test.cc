@@ -8,6 +8,7 @@
 #include "gtest/gtest.h"
 #include "kernels/calib/synthetic.h"
 #include "kernels/numeric.h"
+#include "tests/temp_path.h"
 
 namespace oscarkv {
 namespace {
@@ -56,7 +57,7 @@ TEST(ActivationDump, RoundTripsInEveryDtype) {
 }
 
 TEST(ActivationDump, FileRoundTrip) {
-  const std::string path = ::testing::TempDir() + "/dump.safetensors";
+  const std::string path = ::oscarkv::testing::UniqueTempPath("dump.safetensors");
   ASSERT_TRUE(WriteActivationDump(path, SmallDump(), TensorDType::kBF16).ok());
   auto back = ReadActivationDump(path);
   ASSERT_TRUE(back.ok()) << back.status();

@@ -10,6 +10,7 @@
 #include "kernels/calib/safetensors.h"
 #include "kernels/calib/synthetic.h"
 #include "kernels/rotation.h"
+#include "tests/temp_path.h"
 
 namespace oscarkv {
 namespace {
@@ -17,7 +18,7 @@ namespace {
 using ::testing::HasSubstr;
 
 std::string TempPath(const std::string& name) {
-  return ::testing::TempDir() + "/" + name;
+  return ::oscarkv::testing::UniqueTempPath(name);
 }
 
 // A calibrated 2-layer rotation (per layer or per head) from synthetic data.

@@ -10,6 +10,7 @@
 #include "kernels/calib/synthetic.h"
 #include "kernels/calib/torch_pickle.h"
 #include "kernels/hadamard.h"
+#include "tests/temp_path.h"
 
 namespace oscarkv {
 namespace {
@@ -47,7 +48,7 @@ TEST(RotationZoo, ImportsPublishedSampleAsOrthogonalRotations) {
 TEST(RotationZoo, ImportWritesACalibrationFileTheLoaderAccepts) {
   auto rot = ImportRotationZoo(kKeyFile, kValueFile, kQwen3_4B, 0.95f, 0.9f);
   ASSERT_TRUE(rot.ok());
-  const std::string path = ::testing::TempDir() + "/zoo.safetensors";
+  const std::string path = ::oscarkv::testing::UniqueTempPath("zoo.safetensors");
   ASSERT_TRUE(WriteCalibrationFile(path, *rot).ok());
   auto back = ReadCalibrationFile(path, &kQwen3_4B);
   ASSERT_TRUE(back.ok()) << back.status();
@@ -96,7 +97,7 @@ TEST(RotationZoo, RefusesCorruptedFile) {
   bad[300] ^= 0x01;  // inside the pickle
   EXPECT_THAT(std::string(ParseRotationZoo(bad).status().message()), HasSubstr("CRC-32"));
   // A corrupted file written to disk is refused by the importer, naming the file.
-  const std::string path = ::testing::TempDir() + "/corrupt_k.pt";
+  const std::string path = ::oscarkv::testing::UniqueTempPath("corrupt_k.pt");
   ASSERT_TRUE(WriteFileBytes(path, bad).ok());
   auto r = ImportRotationZoo(path, kValueFile, kQwen3_4B);
   ASSERT_FALSE(r.ok());

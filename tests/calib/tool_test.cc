@@ -9,6 +9,7 @@
 #include "gtest/gtest.h"
 #include "kernels/calib/calibration_file.h"
 #include "kernels/calib/safetensors.h"
+#include "tests/temp_path.h"
 
 namespace oscarkv {
 namespace {
@@ -20,7 +21,7 @@ const std::string kDir = OSCARKV_ROTATIONZOO_DIR;
 
 // Runs the tool with `args`; returns the exit code, output in *out.
 int RunTool(const std::string& args, std::string* out) {
-  const std::string log = ::testing::TempDir() + "/tool_out.txt";
+  const std::string log = ::oscarkv::testing::UniqueTempPath("tool_out.txt");
   const int rc = std::system((kTool + " " + args + " > " + log + " 2>&1").c_str());
   auto text = ReadFileBytes(log);
   *out = text.ok() ? *text : "";
@@ -38,8 +39,8 @@ TEST(Tool, HelpListsCalibrationCommands) {
 }
 
 TEST(Tool, DumpToCalibrationFileTheLoaderAccepts) {
-  const std::string dump = ::testing::TempDir() + "/tool_dump.safetensors";
-  const std::string calib = ::testing::TempDir() + "/tool_calib.safetensors";
+  const std::string dump = ::oscarkv::testing::UniqueTempPath("tool_dump.safetensors");
+  const std::string calib = ::oscarkv::testing::UniqueTempPath("tool_calib.safetensors");
   std::string out;
   ASSERT_EQ(RunTool("gen-synthetic --out " + dump +
                     " --layers 2 --q-heads 8 --kv-heads 2 --head-dim 64 --tokens 256",
@@ -86,7 +87,7 @@ TEST(Tool, BenchFidelityPrintsEveryMethodSideBySide) {
 }
 
 TEST(Tool, ImportRotationZooAndRefuseBadInput) {
-  const std::string calib = ::testing::TempDir() + "/tool_zoo.safetensors";
+  const std::string calib = ::oscarkv::testing::UniqueTempPath("tool_zoo.safetensors");
   const std::string k = kDir + "/k_rotation_qqt_r_h_pbr.pt", v = kDir + "/v_rotation_sst_r_h_pbr.pt";
   std::string out;
   ASSERT_EQ(RunTool("import-rotationzoo " + k + " " + v + " --layout qwen3-4b-thinking-2507 --out " + calib, &out), 0)

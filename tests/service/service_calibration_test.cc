@@ -10,6 +10,7 @@
 #include "gmock/gmock.h"
 #include "kernels/calib/calibration_file.h"
 #include "service_fixture.h"
+#include "tests/temp_path.h"
 
 namespace oscarkv::testing {
 namespace {
@@ -67,8 +68,8 @@ TEST_P(Calibrated, LoadCalibrationEncodesWithTheFileAndAttendMatchesReference) {
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
   const ModelRotation rot = RandomRotation(layout, per_head, 42);
-  const std::string path = ::testing::TempDir() + (per_head ? "/svc_calib_head.safetensors"
-                                                            : "/svc_calib_layer.safetensors");
+  const std::string path = ::oscarkv::testing::UniqueTempPath(
+      per_head ? "svc_calib_head.safetensors" : "svc_calib_layer.safetensors");
   ASSERT_TRUE(WriteCalibrationFile(path, rot).ok());
   v1::LoadCalibrationRequest req;
   req.set_model("tiny-oscar");

@@ -8,6 +8,7 @@
 #include "gmock/gmock.h"
 #include "prometheus/text_serializer.h"
 #include "service_fixture.h"
+#include "tests/temp_path.h"
 
 namespace oscarkv::testing {
 namespace {
@@ -85,7 +86,7 @@ TEST(Metrics, PromtoolAcceptsTheExposition) {
   const KvData data = MakeKv(TinyLayout(), 50, 1);
   ASSERT_TRUE(ts.client->PutSequence("p", kTinyModel, TinyLayout(), 50, data.k.data(), data.v.data()).ok());
   EXPECT_FALSE(ts.client->Stat("nope").ok());
-  const std::string path = ::testing::TempDir() + "/svc_oscarkv_metrics.txt";
+  const std::string path = ::oscarkv::testing::UniqueTempPath("svc_oscarkv_metrics.txt");
   {
     std::ofstream f(path);
     f << Scrape(*ts.server);

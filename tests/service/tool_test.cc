@@ -6,6 +6,7 @@
 
 #include "gmock/gmock.h"
 #include "service_fixture.h"
+#include "tests/temp_path.h"
 
 namespace oscarkv::testing {
 namespace {
@@ -18,7 +19,7 @@ struct ToolRun {
 };
 
 ToolRun Tool(const std::string& args) {
-  const std::string path = ::testing::TempDir() + "/svc_tool_out.txt";
+  const std::string path = ::oscarkv::testing::UniqueTempPath("svc_tool_out.txt");
   const std::string cmd = std::string(OSCARKV_TOOL) + " " + args + " > " + path + " 2>&1";
   const int rc = std::system(cmd.c_str());
   std::ifstream f(path);
@@ -30,8 +31,8 @@ TEST(ServiceTool, ServiceCommandsWorkEndToEndWithScriptableExitCodes) {
   TestServer ts;
   ASSERT_NE(ts.client, nullptr);
   const std::string server = "--server=" + ts.server->address();
-  const std::string dump = ::testing::TempDir() + "/svc_tool_dump.safetensors";
-  const std::string back = ::testing::TempDir() + "/svc_tool_back.safetensors";
+  const std::string dump = ::oscarkv::testing::UniqueTempPath("svc_tool_dump.safetensors");
+  const std::string back = ::oscarkv::testing::UniqueTempPath("svc_tool_back.safetensors");
   ASSERT_EQ(Tool("gen-synthetic --out " + dump +
                  " --layers 2 --q-heads 8 --kv-heads 2 --head-dim 64 --tokens 100 --dtype bf16")
                 .code,
