@@ -161,6 +161,11 @@ void SequenceStore::ReleaseUser(Sequence& seq) {
   }
   if (release) {
     std::lock_guard<std::mutex> lock(seq.mu_);
+    // Drop marks a sequence in use as doomed and subtracts its totals once it
+    // gets the sequence's lock; if this release gets there first, subtract here
+    // so that the committed totals never keep a freed sequence.
+    if (seq.counted_) AddCommitted(TotalsLocked(seq), -1);
+    seq.counted_ = false;
     ReleaseLayers(seq);
   }
 }
