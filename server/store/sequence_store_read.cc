@@ -85,7 +85,7 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
   std::vector<std::unique_lock<std::mutex>> locks;
   for (Sequence* s : seqs) locks.emplace_back(s->mu_);
 
-  // Fused appends in item order, then the device references of each item.
+  // Fused appends in item order (pass 1), then the device references of each item (pass 2).
   struct Refs {
     std::vector<ExactBlockRef> exact;
     std::vector<const uint8_t*> pages;
@@ -118,10 +118,23 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
         OSCARKV_RETURN_IF_ERROR(
             AppendLocked(seq, t.layer, cache.tokens(), 1, t.k, bytes, t.v, bytes));
       }
+      return absl::OkStatus();
+    }();
+  }
+  // Device references only once every append is done: a later append in this
+  // batch can demote (and free) a recent block an earlier item would point at.
+  // As the API says, all appends happen in item order before any attention.
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    AttendTask& t = tasks[i];
+    if (!t.status.ok()) continue;
+    Sequence& seq = **t.seq;
+    const ModelEntry& m = seq.model();
+    t.status = [&]() -> absl::Status {
       if (seq.broken_) {
         return absl::FailedPreconditionError(absl::StrCat(
             "sequence '", seq.id(), "' is unusable after a backend error; drop it"));
       }
+      const LayerCache& cache = seq.layers_[t.layer];
       cache.AttendRefs(*pool_, &refs[i].exact, &refs[i].pages);
       t.tokens = cache.tokens();
       return backend_->CopyToDevice(base + offset[i], t.q,

@@ -203,6 +203,37 @@ TEST(Service, OneAttendMessageMixesSequencesLayersAppendsAndErrors) {
   EXPECT_EQ((*r)[2].lse, (*ref)[1].lse);
 }
 
+// Two fused appends to one layer in one message, the second one demoting the
+// oldest recent block: every item attends after all appends (the API's rule),
+// so both see the same 32 tokens and no item reads a block freed by demotion.
+TEST(Service, FusedAppendsThatDemoteInOneMessageAttendTheFinalCache) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();  // S0 8, W 16, P 8: demotion at 32 tokens
+  const KvData data = MakeKv(layout, 32, 21);
+  std::vector<bf16_bits> k30, v30;
+  for (int l = 0; l < 2; ++l) {
+    k30.insert(k30.end(), data.k_at(l, 0), data.k_at(l, 30));
+    v30.insert(v30.end(), data.v_at(l, 0), data.v_at(l, 30));
+  }
+  ASSERT_TRUE(ts.client->PutSequence("d", kTinyModel, layout, 30, k30.data(), v30.data()).ok());
+  ASSERT_TRUE(ts.client->PutSequence("ref", kTinyModel, layout, 32, data.k.data(), data.v.data()).ok());
+  const std::vector<float> q = RandomQuery(layout, 9);
+  auto r = ts.client->Attend({{"d", 0, q.data(), data.k_at(0, 30), data.v_at(0, 30), 30},
+                              {"d", 0, q.data(), data.k_at(0, 31), data.v_at(0, 31), 31}},
+                             layout, true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  ASSERT_TRUE((*r)[1].status.ok()) << (*r)[1].status;
+  EXPECT_EQ((*r)[0].tokens, 32);
+  EXPECT_EQ((*r)[1].tokens, 32);
+  auto ref = ts.client->Attend({AttendQuery{"ref", 0, q.data()}}, layout, true);
+  ASSERT_TRUE(ref.ok());
+  EXPECT_EQ((*r)[0].out, (*ref)[0].out);
+  EXPECT_EQ((*r)[1].out, (*ref)[0].out);
+  EXPECT_EQ((*r)[0].lse, (*ref)[0].lse);
+}
+
 TEST(Service, DropListAndInfoReflectTheStore) {
   TestServer ts;
   ASSERT_NE(ts.client, nullptr);
