@@ -1,5 +1,6 @@
 #include "client/kv_client.h"
 
+#include <algorithm>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -35,14 +36,27 @@ std::unique_ptr<grpc::ClientContext> KvClient::NewContext() const {
 
 absl::Status KvClient::WithRetry(bool read_only, const std::function<grpc::Status()>& call) {
   auto backoff = options_.backoff;
+  if (!read_only) {
+    // A mutating call is sent at most once. What is retried is only getting a
+    // connection before it: until the channel is READY no byte of the request
+    // has left this process. (A failure after sending is returned as is: the
+    // server may have applied the call.)
+    for (int attempt = 1;; ++attempt) {
+      const auto wait = std::min<std::chrono::milliseconds>(options_.deadline, backoff * 4);
+      if (channel_->WaitForConnected(std::chrono::system_clock::now() + wait)) break;
+      if (attempt >= options_.max_attempts) {
+        return absl::UnavailableError(
+            absl::StrCat("cannot connect to ", target_, " after ", attempt, " attempts"));
+      }
+      std::this_thread::sleep_for(backoff);
+      backoff *= 2;
+    }
+    return FromGrpcStatus(call());
+  }
   grpc::Status status;
   for (int attempt = 1;; ++attempt) {
-    // Not READY before the call: an UNAVAILABLE failure means the connection
-    // could not be made, so none of the request was sent.
-    const bool was_ready = channel_->GetState(/*try_to_connect=*/true) == GRPC_CHANNEL_READY;
     status = call();
-    const bool retryable = status.error_code() == grpc::StatusCode::UNAVAILABLE &&
-                           (read_only || !was_ready);
+    const bool retryable = status.error_code() == grpc::StatusCode::UNAVAILABLE;
     if (!retryable || attempt >= options_.max_attempts) break;
     std::this_thread::sleep_for(backoff);
     backoff *= 2;
@@ -65,8 +79,7 @@ absl::StatusOr<int64_t> KvClient::Append(const std::string& sequence_id,
   c->set_k(reinterpret_cast<const char*>(k), bytes);
   c->set_v(reinterpret_cast<const char*>(v), bytes);
   v1::AppendKvResponse resp;
-  // A repeated append is refused by the start_token check, but keep to the
-  // rule: only retried when nothing was sent.
+  // Sent at most once (see WithRetry).
   OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {
     auto ctx = NewContext();
     return stub_->AppendKv(ctx.get(), req, &resp);

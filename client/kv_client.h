@@ -2,10 +2,10 @@
 // oscarkv-server (proto/oscarkv/v1/kvcache.proto).
 //
 // Every call has a deadline (ClientOptions::deadline unless stated). Retries
-// happen only where they are safe: a call that failed with UNAVAILABLE while
-// the channel had never connected (no byte of it was sent) is retried with
-// backoff; read-only calls are also retried after a connection loss. Nothing
-// else is retried.
+// happen only where they are safe: a mutating call (PutKv, AppendKv, Attend
+// with appends, Drop, LoadCalibration) is sent at most once; what is retried
+// with backoff is only getting a READY connection before it, when no byte has
+// been sent. Read-only calls are retried on UNAVAILABLE.
 //
 // Thread-safety: a KvClient may be used from many threads at once. PutStream
 // and AttendSession objects belong to one thread at a time.

@@ -175,6 +175,11 @@ TEST(ClientRetry, UnavailableBeforeConnectingIsRetriedUntilTheServerComesUp) {
   EXPECT_EQ(dead->Info().status().code(), absl::StatusCode::kUnavailable);
   // Errors other than UNAVAILABLE are returned at once, not retried.
   EXPECT_EQ(late->client->Stat("none").status().code(), absl::StatusCode::kNotFound);
+  // Mutating calls: only the connection is retried; the call itself is sent once.
+  const absl::Status drop_dead = dead->Drop("x").status();
+  EXPECT_EQ(drop_dead.code(), absl::StatusCode::kUnavailable);
+  EXPECT_THAT(std::string(drop_dead.message()), ::testing::HasSubstr("cannot connect"));
+  EXPECT_EQ(client->Drop("none").status().code(), absl::StatusCode::kNotFound);
 }
 
 }  // namespace
