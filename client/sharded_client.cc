@@ -87,18 +87,20 @@ absl::StatusOr<std::vector<AttendOutput>> ShardedClient::Attend(
     for (size_t i : by_shard[s]) part.push_back(queries[i]);
     pending[s] = clients_[s]->AttendAsync(std::move(part), layout, return_lse);
   }
+  // A server whose call failed fails its own items only: the other servers
+  // may already have applied their fused appends, so the batch is not redone.
   std::vector<AttendOutput> out(queries.size());
-  absl::Status first_error;
   for (size_t s = 0; s < clients_.size(); ++s) {
     if (!pending[s].valid()) continue;
     absl::StatusOr<std::vector<AttendOutput>> res = pending[s].get();
-    if (!res.ok()) {
-      if (first_error.ok()) first_error = res.status();
-      continue;
+    for (size_t j = 0; j < by_shard[s].size(); ++j) {
+      if (res.ok()) {
+        out[by_shard[s][j]] = std::move((*res)[j]);
+      } else {
+        out[by_shard[s][j]].status = res.status();
+      }
     }
-    for (size_t j = 0; j < res->size(); ++j) out[by_shard[s][j]] = std::move((*res)[j]);
   }
-  if (!first_error.ok()) return first_error;
   return out;
 }
 

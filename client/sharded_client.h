@@ -20,6 +20,7 @@ int RendezvousPick(const std::vector<std::string>& servers, const std::string& s
 
 class ShardedClient {
  public:
+  // Precondition: `targets` is not empty.
   ShardedClient(const std::vector<std::string>& targets, ClientOptions options = {});
 
   size_t size() const { return clients_.size(); }
@@ -35,8 +36,9 @@ class ShardedClient {
                                  const bf16_bits* v);
   absl::StatusOr<FetchedSequence> GetKv(const std::string& sequence_id, v1::KvFormat format,
                                         const std::vector<int>& layers = {});
-  // Splits the batch by owner, one Attend round trip per server involved,
-  // results in the order of `queries`.
+  // Splits the batch by owner, one Attend round trip per server involved (all
+  // in flight at once), results in the order of `queries`. A server whose call
+  // fails sets that status on its own items; the others keep their results.
   absl::StatusOr<std::vector<AttendOutput>> Attend(const std::vector<AttendQuery>& queries,
                                                    const ModelLayout& layout, bool return_lse);
   absl::StatusOr<int64_t> Drop(const std::string& sequence_id);

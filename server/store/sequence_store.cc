@@ -142,6 +142,10 @@ absl::StatusOr<std::unique_ptr<IngestSession>> SequenceStore::BeginIngest(
 absl::StatusOr<SequenceHandle> SequenceStore::Acquire(const std::string& id) {
   std::lock_guard<std::mutex> lock(mu_);
   auto it = sequences_.find(id);
+  if (it == sequences_.end() && ingesting_.count(id) > 0) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence '", id, "' is still being ingested (its PutKv stream has not ended)"));
+  }
   if (it == sequences_.end()) {
     return absl::NotFoundError(absl::StrCat("unknown sequence '", id, "'"));
   }
@@ -175,12 +179,13 @@ void SequenceStore::ReleaseLayers(Sequence& seq) {
 }
 
 void SequenceStore::AbortIngest(Sequence& seq) {
+  // The id first: once the pool shows the slots free, the id is unknown too.
   {
-    std::lock_guard<std::mutex> lock(seq.mu_);
-    ReleaseLayers(seq);
+    std::lock_guard<std::mutex> lock(mu_);
+    ingesting_.erase(seq.id());
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  ingesting_.erase(seq.id());
+  std::lock_guard<std::mutex> lock(seq.mu_);
+  ReleaseLayers(seq);
 }
 
 TierTotals SequenceStore::TotalsLocked(Sequence& seq) {

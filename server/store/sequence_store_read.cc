@@ -196,6 +196,10 @@ absl::Status SequenceStore::ReadCompressed(SequenceHandle& seq, int layer, Compr
         absl::StrCat("layer ", layer, " out of range [0, ", m.layout.num_layers, ")"));
   }
   std::lock_guard<std::mutex> lock(seq->mu_);
+  if (seq->broken_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence '", seq->id(), "' is unusable after a backend error; drop it"));
+  }
   const LayerCache& cache = seq->layers_[layer];
   const int p = m.geom.page_tokens;
   const size_t row = m.geom.exact_row_elems();
@@ -240,6 +244,10 @@ absl::Status SequenceStore::ReadBf16(SequenceHandle& seq, int layer, std::vector
         absl::StrCat("layer ", layer, " out of range [0, ", m.layout.num_layers, ")"));
   }
   std::lock_guard<std::mutex> lock(seq->mu_);
+  if (seq->broken_) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "sequence '", seq->id(), "' is unusable after a backend error; drop it"));
+  }
   const LayerCache& cache = seq->layers_[layer];
   OSCARKV_ASSIGN_OR_RETURN(Reservation res, ReserveWithEviction(0, 1));
   const SlotId scratch = res.TakeBlock();

@@ -116,6 +116,12 @@ TEST_F(BadInput, DuplicateSequenceIdIsAlreadyExists) {
   ASSERT_EQ(ts_.server->store().Stats().ingesting, 1);
   ExpectStatus(RawPut(*ts_.client, {Header("dup2"), Chunk(data_, 0, 0, 4)}),
                grpc::StatusCode::ALREADY_EXISTS, "being ingested");
+  // Reads and appends of a sequence still ingesting: FAILED_PRECONDITION, not NOT_FOUND.
+  ExpectStatus(ts_.client->Stat("dup2").status(), absl::StatusCode::kFailedPrecondition,
+               "still being ingested");
+  ExpectStatus(ts_.client->Append("dup2", TinyLayout(), 0, 4, 1, data_.k_at(0, 4),
+                                  data_.v_at(0, 4)).status(),
+               absl::StatusCode::kFailedPrecondition, "still being ingested");
   (*first)->Cancel();
 }
 

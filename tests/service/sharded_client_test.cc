@@ -74,5 +74,30 @@ TEST(Sharded, SequencesSpreadOverServersAndCallsReachTheOwner) {
   EXPECT_TRUE(sharded.List()->empty());
 }
 
+TEST(Sharded, AServerThatFailsFailsOnlyItsOwnItems) {
+  TestServer live;
+  ASSERT_NE(live.client, nullptr);
+  const std::vector<std::string> targets = {live.server->address(), "127.0.0.1:1"};
+  ClientOptions quick;
+  quick.deadline = std::chrono::milliseconds(2000);
+  ShardedClient sharded(targets, quick);
+  // One id owned by each server.
+  std::string on_live, on_dead;
+  for (int i = 0; on_live.empty() || on_dead.empty(); ++i) {
+    const std::string id = "p" + std::to_string(i);
+    (RendezvousPick(targets, id) == 0 ? on_live : on_dead) = id;
+  }
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 40, 3);
+  ASSERT_TRUE(sharded.PutSequence(on_live, kTinyModel, layout, 40, data.k.data(), data.v.data()).ok());
+  const std::vector<float> q = RandomQuery(layout, 5);
+  auto out = sharded.Attend({AttendQuery{on_dead, 0, q.data()}, AttendQuery{on_live, 0, q.data()}},
+                            layout, false);
+  ASSERT_TRUE(out.ok()) << out.status();
+  EXPECT_EQ((*out)[0].status.code(), absl::StatusCode::kUnavailable) << (*out)[0].status;
+  EXPECT_TRUE((*out)[1].status.ok()) << (*out)[1].status;
+  EXPECT_EQ((*out)[1].tokens, 40);
+}
+
 }  // namespace
 }  // namespace oscarkv::testing
