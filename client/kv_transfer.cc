@@ -228,6 +228,13 @@ absl::StatusOr<std::vector<AttendOutput>> AttendSession::Call(
   for (size_t i = 0; i < queries.size(); ++i) {
     const AttendQuery& q = queries[i];
     const ModelLayout& l = layouts.size() == 1 ? layouts[0] : layouts[i];
+    if (q.q == nullptr) {
+      return absl::InvalidArgumentError(absl::StrCat("query ", i, " has no q"));
+    }
+    if ((q.k == nullptr) != (q.v == nullptr)) {
+      return absl::InvalidArgumentError(
+          absl::StrCat("query ", i, ": a fused append needs both k and v"));
+    }
     v1::AttendItem* item = req.add_items();
     item->set_sequence_id(q.sequence_id);
     item->set_layer(q.layer);

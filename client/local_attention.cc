@@ -78,8 +78,10 @@ absl::StatusOr<std::unique_ptr<LocalAttention>> LocalAttention::Create(FetchedSe
     // Re-block sink and recent rows into exact blocks of P tokens.
     const int64_t sink_blocks = (f.sink_tokens + p - 1) / p;
     const int64_t recent_blocks = (f.recent_tokens + p - 1) / p;
-    if (f.sink_k.size() != size_t(f.sink_tokens) * row ||
-        f.recent_k.size() != size_t(f.recent_tokens) * row ||
+    if (f.sink_tokens < 0 || f.recent_tokens < 0 || f.history_tokens < 0 ||
+        f.history_tokens % p != 0 || f.sink_k.size() != size_t(f.sink_tokens) * row ||
+        f.sink_v.size() != f.sink_k.size() || f.recent_k.size() != size_t(f.recent_tokens) * row ||
+        f.recent_v.size() != f.recent_k.size() ||
         f.pages.size() != size_t(f.history_tokens / p) * la->geom_.page_bytes()) {
       return absl::InvalidArgumentError(absl::StrCat("layer ", l, ": fetched tiers are inconsistent"));
     }

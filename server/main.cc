@@ -187,6 +187,12 @@ int main(int argc, char** argv) {
   (*server)->Shutdown(std::chrono::system_clock::now() +
                       std::chrono::seconds(absl::GetFlag(FLAGS_shutdown_grace_seconds)));
   (*server)->Wait();
+  // The metrics endpoint goes before the server: a scrape must not reach a
+  // store being destroyed.
+  if (exposer) {
+    exposer->RemoveCollectable((*server)->collectable());
+    exposer.reset();
+  }
   std::fprintf(stderr, "oscarkv-server: stopped\n");
   return 0;
 }

@@ -140,11 +140,16 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
     if (!v1::KvFormat_IsValid(request_.format())) {
       return absl::InvalidArgumentError(absl::StrCat("unknown format ", request_.format()));
     }
+    std::vector<bool> seen(m.layout.num_layers, false);
     for (int l : request_.layers()) {
       if (l < 0 || l >= m.layout.num_layers) {
         return absl::InvalidArgumentError(absl::StrCat("layer ", l, " out of range [0, ",
                                                        m.layout.num_layers, ")"));
       }
+      if (seen[l]) {
+        return absl::InvalidArgumentError(absl::StrCat("layer ", l, " is listed twice"));
+      }
+      seen[l] = true;
       layers_.push_back(l);
     }
     if (layers_.empty()) {

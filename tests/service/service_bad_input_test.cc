@@ -194,6 +194,22 @@ TEST_F(BadInput, NonFiniteQueryFailsItsItemOnlyAndAppendsNothing) {
   ASSERT_TRUE(ts_.client->Drop("fq").ok());
 }
 
+TEST_F(BadInput, GetKvRefusesALayerListedTwice) {
+  ASSERT_TRUE(ts_.client->PutSequence("g2", kTinyModel, TinyLayout(), 40, data_.k.data(),
+                                      data_.v.data())
+                  .ok());
+  ExpectStatus(ts_.client->GetKv("g2", v1::KV_FORMAT_BF16, {1, 0, 1}).status(),
+               absl::StatusCode::kInvalidArgument, "layer 1 is listed twice");
+  ASSERT_TRUE(ts_.client->Drop("g2").ok());
+}
+
+TEST_F(BadInput, ClientRefusesAFusedAppendWithOnlyKOrOnlyV) {
+  const std::vector<float> q = RandomQuery(TinyLayout(), 3);
+  auto r = ts_.client->Attend({AttendQuery{"any", 0, q.data(), data_.k.data(), nullptr, 0}},
+                              TinyLayout(), false);
+  ExpectStatus(r.status(), absl::StatusCode::kInvalidArgument, "needs both k and v");
+}
+
 TEST_F(BadInput, EmptyStreamsAreRefused) {
   ExpectStatus(RawPut(*ts_.client, {}), grpc::StatusCode::INVALID_ARGUMENT, "without a header");
   ExpectStatus(RawPut(*ts_.client, {Header("e")}), grpc::StatusCode::INVALID_ARGUMENT,
