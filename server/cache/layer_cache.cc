@@ -255,8 +255,9 @@ void LayerCache::AttendRefs(const PagePool& pool, std::vector<ExactBlockRef>* ex
   for (SlotId id : pages_) pages->push_back(pool.page(id));
 }
 
-absl::Status LayerCache::ReadBf16(const LayerCodec& codec, PagePool& pool, Backend& backend,
-                                  SlotId scratch_block, bf16_bits* k, bf16_bits* v) const {
+absl::Status LayerCache::ReadBf16(const LayerCodec& codec, const PagePool& pool,
+                                  Backend& backend, bf16_bits* scratch, bf16_bits* k,
+                                  bf16_bits* v) const {
   const TierCounts tc = counts();
   const int p = geom_.page_tokens;
   const size_t row = geom_.exact_row_elems();
@@ -275,7 +276,6 @@ absl::Status LayerCache::ReadBf16(const LayerCodec& codec, PagePool& pool, Backe
     OSCARKV_RETURN_IF_ERROR(copy_rows(pool.block(b), n));
     left -= n;
   }
-  bf16_bits* scratch = pool.block(scratch_block);
   for (SlotId id : pages_) {
     DecodeJob job{pool.page(id), scratch, codec.rotation};
     OSCARKV_RETURN_IF_ERROR(backend.DecodePages(geom_, &job, 1));

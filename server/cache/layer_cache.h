@@ -82,10 +82,11 @@ class LayerCache {
                   std::vector<const uint8_t*>* pages) const;
 
   // Reads all tokens back as host BF16 [T][H][D]: sink and recent bit-exact,
-  // history decoded (dequantized, un-rotated). `scratch_block` is an exact
-  // block the caller reserved for the decode.
-  absl::Status ReadBf16(const LayerCodec& codec, PagePool& pool, Backend& backend,
-                        SlotId scratch_block, bf16_bits* k, bf16_bits* v) const;
+  // history decoded (dequantized, un-rotated). `scratch` is backend memory of
+  // at least one exact block (geometry().exact_block_bytes()) owned by the
+  // caller; it is not a pool slot, so a read never competes with ingest.
+  absl::Status ReadBf16(const LayerCodec& codec, const PagePool& pool, Backend& backend,
+                        bf16_bits* scratch, bf16_bits* k, bf16_bits* v) const;
 
   const std::vector<SlotId>& history_pages() const { return pages_; }
   const std::vector<SlotId>& sink_blocks() const { return sink_blocks_; }

@@ -249,15 +249,16 @@ absl::Status SequenceStore::ReadBf16(SequenceHandle& seq, int layer, std::vector
         "sequence '", seq->id(), "' is unusable after a backend error; drop it"));
   }
   const LayerCache& cache = seq->layers_[layer];
-  OSCARKV_ASSIGN_OR_RETURN(Reservation res, ReserveWithEviction(0, 1));
-  const SlotId scratch = res.TakeBlock();
+  // Decode scratch from the staging cache, not the pool: a read must neither
+  // evict another sequence nor fail because the pool is full.
+  OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer scratch, TakeStaging(m.geom.exact_block_bytes()));
   const size_t elems = size_t(cache.tokens()) * m.geom.exact_row_elems();
   k->resize(elems);
   v->resize(elems);
   *tokens = cache.tokens();
-  absl::Status s = cache.ReadBf16(m.codecs[layer], *pool_, *backend_, scratch, k->data(),
-                                  v->data());
-  res.ReturnBlock(scratch);
+  absl::Status s = cache.ReadBf16(m.codecs[layer], *pool_, *backend_, scratch.as<bf16_bits>(),
+                                  k->data(), v->data());
+  ReturnStaging(std::move(scratch));
   return s;
 }
 

@@ -29,11 +29,9 @@ Snapshot Read(CacheFixture& f, const LayerCache& layer) {
   const size_t row = f.geom.exact_row_elems();
   s.k.resize(layer.tokens() * row);
   s.v.resize(layer.tokens() * row);
-  auto res = f.pool->Reserve(0, 1);
-  EXPECT_TRUE(res.ok());
-  const SlotId scratch = res->TakeBlock();
-  EXPECT_TRUE(layer.ReadBf16(f.codec, *f.pool, f.backend, scratch, s.k.data(), s.v.data()).ok());
-  res->ReturnBlock(scratch);
+  std::vector<bf16_bits> scratch(f.geom.exact_block_bytes() / sizeof(bf16_bits));
+  EXPECT_TRUE(
+      layer.ReadBf16(f.codec, *f.pool, f.backend, scratch.data(), s.k.data(), s.v.data()).ok());
   for (SlotId id : layer.history_pages()) {
     const uint8_t* p = f.pool->page(id);
     s.history.insert(s.history.end(), p, p + f.geom.page_bytes());
