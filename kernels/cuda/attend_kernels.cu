@@ -226,7 +226,7 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // 3 / 4 = variants 0 / 2 with q·K on the integer tensor cores (D = 128 and at
 // most 4 query heads per kv head; other shapes run variants 0 / 2).
 inline bool UsesIntQk(int variant, int head_dim, bool g8) {
-  return (variant == 3 || variant == 4) && head_dim == 128 && !g8;
+  return (variant == 3 || variant == 4 || variant == 5) && head_dim == 128 && !g8;
 }
 
 template <int D, int NG, bool G8>
@@ -236,6 +236,8 @@ auto SplitKernelFor(int variant) {
   }
   if constexpr (D == 128 && !G8) {
     if (variant == 3) return &SplitKernel<D, NG, G8, 3, true, false, true>;
+    // 5 = 3 held to 4 blocks per SM (at most 128 registers): more warps to hide latency.
+    if (variant == 5) return &SplitKernel<D, NG, G8, 4, true, false, true>;
     if (variant == 4) return &SplitKernel<D, NG, G8, 3, false, true, true>;
   }
   if (variant == 2 || variant == 4) return &SplitKernel<D, NG, G8, 3, false, true>;

@@ -250,7 +250,7 @@ int Main(int argc, char** argv) {
     CKS(probe.status());
     default_variant = (*probe)->variant();
   }
-  for (int variant = 0; variant < 5; ++variant)
+  for (int variant = 0; variant < 6; ++variant)
   for (const Shape& sh : shapes) {
     if (only_variant >= 0 && variant != only_variant) continue;
     if (!only.empty() && only != "B" + std::to_string(sh.batch) + "_S" + std::to_string(sh.tokens)) {
