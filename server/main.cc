@@ -31,6 +31,9 @@ ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
 ABSL_FLAG(std::string, backend, "auto",
           "compute backend: auto (CUDA if a GPU is usable, else CPU), cpu, or cuda");
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend worker threads (0: one per hardware thread)");
+ABSL_FLAG(int, compute_threads, 0,
+          "threads that run ingest encoding and attention off gRPC's callback threads "
+          "(0: one per hardware thread)");
 ABSL_FLAG(int, cuda_device, 0, "CUDA device index for --backend=cuda|auto");
 ABSL_FLAG(std::string, pool_size, "1GiB",
           "memory pool allocated once at start: bytes with a unit (512MiB, 8GiB) or a "
@@ -119,6 +122,7 @@ int main(int argc, char** argv) {
   o.listen_address = absl::GetFlag(FLAGS_listen);
   o.backend = absl::GetFlag(FLAGS_backend);
   o.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
+  o.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   absl::StatusOr<size_t> pool = oscarkv::ParsePoolSize(absl::GetFlag(FLAGS_pool_size));
   if (!pool.ok()) return Fail(std::string(pool.status().message()));

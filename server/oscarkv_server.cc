@@ -167,6 +167,8 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   ctx.models = &s->models_;
   ctx.backend = s->backend_.get();
   ctx.metrics = s->metrics_.get();
+  s->executor_ = std::make_unique<ComputeExecutor>(options.compute_threads);
+  ctx.executor = s->executor_.get();
   ctx.calibration_reader = std::move(calibration_reader);
   ctx.tiers = options.tiers;
   ctx.group_size = options.group_size;

@@ -28,6 +28,9 @@ struct ServerOptions {
   std::string listen_address = "127.0.0.1:0";
   std::string backend = "auto";  // auto | cpu | cuda
   int cpu_threads = 0;           // 0: one per hardware thread
+  // Threads that run ingest encoding and attention off gRPC's callback
+  // threads (0: one per hardware thread).
+  int compute_threads = 0;
   int cuda_device = 0;
   size_t pool_bytes = size_t{256} << 20;
   double exact_fraction = 0.25;  // pool share of BF16 sink/recent blocks
@@ -80,6 +83,9 @@ class OscarkvServer {
   std::shared_ptr<prometheus::Registry> registry_;
   std::unique_ptr<ServerMetrics> metrics_;
   std::shared_ptr<prometheus::Collectable> collectable_;
+  // Declared before the gRPC server: destroyed after it, once no reactor can
+  // post work any more.
+  std::unique_ptr<ComputeExecutor> executor_;
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<grpc::Server> server_;
   int port_ = 0;

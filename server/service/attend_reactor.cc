@@ -34,8 +34,11 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
     }
     response_.Clear();
     response_.set_request_id(request_.request_id());
-    AttendAll();
-    StartWrite(&response_);
+    // Nothing is pending while the batch runs, so the reactor stays alive.
+    RunOn(svc_->context().executor, [this] {
+      AttendAll();
+      StartWrite(&response_);
+    });
   }
 
   void OnWriteDone(bool ok) override {

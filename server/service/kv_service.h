@@ -16,6 +16,7 @@
 
 #include "absl/status/statusor.h"
 #include "oscarkv/v1/kvcache.grpc.pb.h"
+#include "server/service/compute_executor.h"
 #include "server/service/server_metrics.h"
 #include "server/store/model_registry.h"
 #include "server/store/sequence_store.h"
@@ -33,6 +34,9 @@ struct ServiceContext {
   ModelRegistry* models = nullptr;
   Backend* backend = nullptr;
   ServerMetrics* metrics = nullptr;  // may be null
+  // Where encoding and attention run (see compute_executor.h); null: inline on
+  // gRPC's callback threads.
+  ComputeExecutor* executor = nullptr;
   CalibrationReader calibration_reader;
   TierConfig tiers;             // for models registered through LoadCalibration
   int group_size = 0;           // 0: G = D

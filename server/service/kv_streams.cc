@@ -29,15 +29,19 @@ class PutKvReactor final : public grpc::ServerReadReactor<v1::PutKvRequest> {
 
   void OnReadDone(bool ok) override {
     if (!ok) {
-      EndOfStream();
+      RunOn(svc_->context().executor, [this] { EndOfStream(); });
       return;
     }
-    const absl::Status status = HandleMessage();
-    if (!status.ok()) {
-      Done(status);
-      return;
-    }
-    StartRead(&request_);
+    // No read is pending while the chunk is encoded, so the reactor cannot
+    // finish under the task; a cancellation shows at the next read.
+    RunOn(svc_->context().executor, [this] {
+      const absl::Status status = HandleMessage();
+      if (!status.ok()) {
+        Done(status);
+        return;
+      }
+      StartRead(&request_);
+    });
   }
 
   void OnDone() override { delete this; }
