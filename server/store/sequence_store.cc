@@ -250,6 +250,28 @@ absl::StatusOr<SequenceStats> SequenceStore::CommitIngest(std::shared_ptr<Sequen
   return StatLocked(*seq);
 }
 
+bool SequenceStore::EvictionCanHelp(int pages, int blocks) {
+  std::vector<std::shared_ptr<Sequence>> idle;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (const auto& [id, seq] : sequences_) {
+      if (!seq->pinned_ && seq->users_ == 0) idle.push_back(seq);
+    }
+  }
+  int64_t free_pages = pool_->free_pages(), free_blocks = pool_->free_blocks();
+  for (const auto& seq : idle) {
+    // try_lock: the caller may hold another sequence's lock; a sequence busy
+    // right now is simply not counted.
+    std::unique_lock<std::mutex> lock(seq->mu_, std::try_to_lock);
+    if (!lock.owns_lock()) continue;
+    for (const LayerCache& l : seq->layers_) {
+      free_pages += int64_t(l.history_pages().size());
+      free_blocks += int64_t(l.sink_blocks().size() + l.recent_blocks().size());
+    }
+  }
+  return free_pages >= pages && free_blocks >= blocks;
+}
+
 absl::StatusOr<Reservation> SequenceStore::ReserveWithEviction(int pages, int blocks) {
   if (pages > pool_->total_pages() || blocks > pool_->total_blocks()) {
     return absl::ResourceExhaustedError(absl::StrCat(
@@ -257,12 +279,21 @@ absl::StatusOr<Reservation> SequenceStore::ReserveWithEviction(int pages, int bl
         " exact blocks; the whole pool has ", pool_->total_pages(), " and ",
         pool_->total_blocks()));
   }
+  bool checked_eviction_helps = false;
   for (;;) {
     absl::StatusOr<Reservation> r = pool_->Reserve(pages, blocks);
     if (r.ok() || r.status().code() != absl::StatusCode::kResourceExhausted) return r;
     if (policy_ == EvictionPolicy::kRefuse) {
       return absl::ResourceExhaustedError(
           absl::StrCat("pool full (eviction policy refuse): ", r.status().message()));
+    }
+    if (!checked_eviction_helps) {
+      checked_eviction_helps = true;
+      if (!EvictionCanHelp(pages, blocks)) {
+        return absl::ResourceExhaustedError(absl::StrCat(
+            "pool full, and evicting every idle unpinned sequence would not free enough; "
+            "the rest are pinned or in use (nothing was evicted): ", r.status().message()));
+      }
     }
     std::shared_ptr<Sequence> victim;
     {

@@ -235,6 +235,9 @@ class SequenceStore {
                             size_t k_bytes, const void* v, size_t v_bytes)
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu_);
   // Reserves slots, evicting per policy.
+  // Whether the free slots plus those of every idle unpinned sequence cover
+  // the request (so that a hopeless request evicts nothing).
+  bool EvictionCanHelp(int pages, int blocks);
   absl::StatusOr<Reservation> ReserveWithEviction(int pages, int blocks);
   void ReleaseUser(Sequence& seq);
   // Frees all slots of a sequence no one else can reach.

@@ -156,6 +156,32 @@ TEST(Fault, FullPoolEvictsLeastRecentlyUsedUnpinnedSequence) {
   EXPECT_EQ(ts.client->Stat("new").status().code(), absl::StatusCode::kNotFound);
 }
 
+TEST(Fault, HopelessRequestEvictsNothing) {
+  TestServer ts(SmallPool(EvictionPolicy::kLru));
+  ASSERT_NE(ts.client, nullptr);
+  const KvData data = MakeKv(TinyLayout(), 100, 6);
+  std::vector<bf16_bits> k20, v20;
+  for (int l = 0; l < 2; ++l) {
+    k20.insert(k20.end(), data.k_at(l, 0), data.k_at(l, 20));
+    v20.insert(v20.end(), data.v_at(l, 0), data.v_at(l, 20));
+  }
+  // Two pinned 100-token sequences (8 blocks each) and one idle 20-token one
+  // (6 blocks) leave 6 of 28 blocks free; a 100-token ingest needs 17 at its
+  // peak: even evicting "idle" (6 more) cannot make room.
+  ASSERT_TRUE(ts.client->PutSequence("p1", kTinyModel, TinyLayout(), 100, data.k.data(),
+                                     data.v.data(), true).ok());
+  ASSERT_TRUE(ts.client->PutSequence("p2", kTinyModel, TinyLayout(), 100, data.k.data(),
+                                     data.v.data(), true).ok());
+  ASSERT_TRUE(ts.client->PutSequence("idle", kTinyModel, TinyLayout(), 20, k20.data(),
+                                     v20.data()).ok());
+  auto big = ts.client->PutSequence("big", kTinyModel, TinyLayout(), 100, data.k.data(),
+                                    data.v.data());
+  EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();
+  EXPECT_THAT(std::string(big.status().message()), ::testing::HasSubstr("nothing was evicted"));
+  EXPECT_TRUE(ts.client->Stat("idle").ok());
+  EXPECT_EQ(ts.client->Info()->evictions(), 0);
+}
+
 TEST(Fault, FullPoolWithRefusePolicyIsResourceExhaustedAndChangesNothing) {
   TestServer ts(SmallPool(EvictionPolicy::kRefuse));
   ASSERT_NE(ts.client, nullptr);
