@@ -11,32 +11,10 @@
 #include "kernels/calib/calibration_file.h"
 #include "service_fixture.h"
 #include "tests/temp_path.h"
+#include "tests/unit/test_util.h"
 
 namespace oscarkv::testing {
 namespace {
-
-// A random orthogonal D×D matrix (Gram–Schmidt), row-major.
-std::vector<float> RandomOrthogonal(int d, uint64_t seed) {
-  std::mt19937_64 rng(seed);
-  std::normal_distribution<double> nd(0.0, 1.0);
-  std::vector<double> m(size_t(d) * d);
-  for (auto& x : m) x = nd(rng);
-  for (int i = 0; i < d; ++i) {
-    double* r = &m[size_t(i) * d];
-    for (int pass = 0; pass < 2; ++pass) {
-      for (int j = 0; j < i; ++j) {
-        const double* q = &m[size_t(j) * d];
-        double dot = 0;
-        for (int k = 0; k < d; ++k) dot += r[k] * q[k];
-        for (int k = 0; k < d; ++k) r[k] -= dot * q[k];
-      }
-    }
-    double n = 0;
-    for (int k = 0; k < d; ++k) n += r[k] * r[k];
-    for (int k = 0; k < d; ++k) r[k] /= std::sqrt(n);
-  }
-  return std::vector<float>(m.begin(), m.end());
-}
 
 ModelRotation RandomRotation(const ModelLayout& layout, bool per_head, uint64_t seed) {
   ModelRotation rot;
