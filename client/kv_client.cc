@@ -10,6 +10,56 @@
 
 namespace oscarkv {
 
+namespace {
+
+// Owns what an async unary call needs until its callback runs.
+template <typename Req, typename Resp, typename Out>
+struct AsyncCall {
+  grpc::ClientContext context;
+  Req request;
+  Resp response;
+  std::promise<absl::StatusOr<Out>> promise;
+};
+
+// Starts one callback-API unary call: `start(context, request, response,
+// done)` issues it; `extract` turns the response into the future's value.
+template <typename Resp, typename Out, typename Req, typename Start, typename Extract>
+std::future<absl::StatusOr<Out>> StartAsync(std::chrono::milliseconds deadline, Req request,
+                                            Start&& start, Extract extract) {
+  auto* call = new AsyncCall<Req, Resp, Out>();
+  call->context.set_deadline(std::chrono::system_clock::now() + deadline);
+  call->request = std::move(request);
+  auto future = call->promise.get_future();
+  start(&call->context, &call->request, &call->response, [call, extract](grpc::Status s) {
+    if (s.ok()) {
+      call->promise.set_value(extract(call->response));
+    } else {
+      call->promise.set_value(FromGrpcStatus(s));
+    }
+    delete call;
+  });
+  return future;
+}
+
+// The AppendKv request for n tokens of one layer (layer >= 0) or all (-1).
+v1::AppendKvRequest AppendRequest(const std::string& id, const ModelLayout& layout, int layer,
+                                  int64_t start_token, int64_t n, const bf16_bits* k,
+                                  const bf16_bits* v) {
+  v1::AppendKvRequest req;
+  req.set_sequence_id(id);
+  v1::KvChunk* c = req.mutable_chunk();
+  const int layers = layer < 0 ? layout.num_layers : 1;
+  const size_t bytes = size_t(layers) * n * layout.num_kv_heads * layout.head_dim * 2;
+  c->set_layer(layer);
+  c->set_start_token(start_token);
+  c->set_num_tokens(static_cast<int32_t>(n));
+  c->set_k(reinterpret_cast<const char*>(k), bytes);
+  c->set_v(reinterpret_cast<const char*>(v), bytes);
+  return req;
+}
+
+}  // namespace
+
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
   return absl::Status(static_cast<absl::StatusCode>(status.error_code()), status.error_message());
@@ -68,16 +118,7 @@ absl::StatusOr<int64_t> KvClient::Append(const std::string& sequence_id,
                                          const ModelLayout& layout, int layer,
                                          int64_t start_token, int64_t n, const bf16_bits* k,
                                          const bf16_bits* v) {
-  v1::AppendKvRequest req;
-  req.set_sequence_id(sequence_id);
-  v1::KvChunk* c = req.mutable_chunk();
-  const int layers = layer < 0 ? layout.num_layers : 1;
-  const size_t bytes = size_t(layers) * n * layout.num_kv_heads * layout.head_dim * 2;
-  c->set_layer(layer);
-  c->set_start_token(start_token);
-  c->set_num_tokens(static_cast<int32_t>(n));
-  c->set_k(reinterpret_cast<const char*>(k), bytes);
-  c->set_v(reinterpret_cast<const char*>(v), bytes);
+  v1::AppendKvRequest req = AppendRequest(sequence_id, layout, layer, start_token, n, k, v);
   v1::AppendKvResponse resp;
   // Sent at most once (see WithRetry).
   OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {
@@ -156,67 +197,36 @@ absl::StatusOr<ModelLayout> KvClient::ModelLayoutOf(const std::string& model) {
   return absl::NotFoundError(absl::StrCat("server ", target_, " has no model '", model, "'"));
 }
 
-namespace {
-
-// Owns what an async unary call needs until its callback runs.
-template <typename Req, typename Resp, typename Out>
-struct AsyncCall {
-  grpc::ClientContext context;
-  Req request;
-  Resp response;
-  std::promise<absl::StatusOr<Out>> promise;
-};
-
-}  // namespace
 
 std::future<absl::StatusOr<v1::SequenceInfo>> KvClient::StatAsync(const std::string& id) {
-  auto* call = new AsyncCall<v1::GetSequenceRequest, v1::SequenceInfo, v1::SequenceInfo>();
-  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
-  call->request.set_sequence_id(id);
-  auto future = call->promise.get_future();
-  stub_->async()->GetSequence(&call->context, &call->request, &call->response,
-                              [call](grpc::Status s) {
-                                if (s.ok()) {
-                                  call->promise.set_value(std::move(call->response));
-                                } else {
-                                  call->promise.set_value(FromGrpcStatus(s));
-                                }
-                                delete call;
-                              });
-  return future;
+  v1::GetSequenceRequest req;
+  req.set_sequence_id(id);
+  return StartAsync<v1::SequenceInfo, v1::SequenceInfo>(
+      options_.deadline, std::move(req),
+      [this](auto* ctx, auto* rq, auto* rs, auto done) {
+        stub_->async()->GetSequence(ctx, rq, rs, std::move(done));
+      },
+      [](const v1::SequenceInfo& r) { return r; });
 }
 
 std::future<absl::StatusOr<int64_t>> KvClient::DropAsync(const std::string& id) {
-  auto* call = new AsyncCall<v1::DropSequenceRequest, v1::DropSequenceResponse, int64_t>();
-  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
-  call->request.set_sequence_id(id);
-  auto future = call->promise.get_future();
-  stub_->async()->DropSequence(&call->context, &call->request, &call->response,
-                               [call](grpc::Status s) {
-                                 if (s.ok()) {
-                                   call->promise.set_value(call->response.freed_bytes());
-                                 } else {
-                                   call->promise.set_value(FromGrpcStatus(s));
-                                 }
-                                 delete call;
-                               });
-  return future;
+  v1::DropSequenceRequest req;
+  req.set_sequence_id(id);
+  return StartAsync<v1::DropSequenceResponse, int64_t>(
+      options_.deadline, std::move(req),
+      [this](auto* ctx, auto* rq, auto* rs, auto done) {
+        stub_->async()->DropSequence(ctx, rq, rs, std::move(done));
+      },
+      [](const v1::DropSequenceResponse& r) { return r.freed_bytes(); });
 }
 
 std::future<absl::StatusOr<v1::ServerInfo>> KvClient::InfoAsync() {
-  auto* call = new AsyncCall<v1::GetServerInfoRequest, v1::ServerInfo, v1::ServerInfo>();
-  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
-  auto future = call->promise.get_future();
-  stub_->async()->GetServerInfo(&call->context, &call->request, &call->response,
-                                [call](grpc::Status s) {
-                                  if (s.ok()) {
-                                    call->promise.set_value(std::move(call->response));
-                                  } else {
-                                    call->promise.set_value(FromGrpcStatus(s));
-                                  }
-                                  delete call;
-                                });
-  return future;
+  return StartAsync<v1::ServerInfo, v1::ServerInfo>(
+      options_.deadline, v1::GetServerInfoRequest(),
+      [this](auto* ctx, auto* rq, auto* rs, auto done) {
+        stub_->async()->GetServerInfo(ctx, rq, rs, std::move(done));
+      },
+      [](const v1::ServerInfo& r) { return r; });
 }
 
 std::future<absl::StatusOr<int64_t>> KvClient::AppendAsync(const std::string& id,
@@ -224,28 +234,12 @@ std::future<absl::StatusOr<int64_t>> KvClient::AppendAsync(const std::string& id
                                                            int64_t start_token, int64_t n,
                                                            const bf16_bits* k,
                                                            const bf16_bits* v) {
-  auto* call = new AsyncCall<v1::AppendKvRequest, v1::AppendKvResponse, int64_t>();
-  call->context.set_deadline(std::chrono::system_clock::now() + options_.deadline);
-  call->request.set_sequence_id(id);
-  v1::KvChunk* c = call->request.mutable_chunk();
-  const int layers = layer < 0 ? layout.num_layers : 1;
-  const size_t bytes = size_t(layers) * n * layout.num_kv_heads * layout.head_dim * 2;
-  c->set_layer(layer);
-  c->set_start_token(start_token);
-  c->set_num_tokens(static_cast<int32_t>(n));
-  c->set_k(reinterpret_cast<const char*>(k), bytes);
-  c->set_v(reinterpret_cast<const char*>(v), bytes);
-  auto future = call->promise.get_future();
-  stub_->async()->AppendKv(&call->context, &call->request, &call->response,
-                           [call](grpc::Status s) {
-                             if (s.ok()) {
-                               call->promise.set_value(call->response.tokens());
-                             } else {
-                               call->promise.set_value(FromGrpcStatus(s));
-                             }
-                             delete call;
-                           });
-  return future;
+  return StartAsync<v1::AppendKvResponse, int64_t>(
+      options_.deadline, AppendRequest(id, layout, layer, start_token, n, k, v),
+      [this](auto* ctx, auto* req, auto* resp, auto done) {
+        stub_->async()->AppendKv(ctx, req, resp, std::move(done));
+      },
+      [](const v1::AppendKvResponse& r) { return r.tokens(); });
 }
 
 std::future<absl::StatusOr<std::vector<AttendOutput>>> KvClient::AttendAsync(
