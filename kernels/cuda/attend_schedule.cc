@@ -90,7 +90,7 @@ UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity) 
     for (int i = 0; i < n; ++i) c += (items[i].num_exact + e - 1) / e;
     return c * H;
   };
-  while (u.exact_per_unit < max_exact && count_exact(u.exact_per_unit) > capacity / 8) {
+  while (u.exact_per_unit < max_exact && count_exact(u.exact_per_unit) > capacity / 4) {
     ++u.exact_per_unit;
   }
   u.exact_units = total_exact > 0 ? count_exact(u.exact_per_unit) : 0;

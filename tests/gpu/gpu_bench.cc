@@ -142,16 +142,24 @@ struct Shape {
 int Main(int argc, char** argv) {
   std::string baseline_path, json_path, only;
   int iters = 200;
-  int only_variant = -1;
+  std::vector<int> only_variants;  // empty: all
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--baseline" && i + 1 < argc) baseline_path = argv[++i];
     else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
-    else if (a == "--variant" && i + 1 < argc) only_variant = std::atoi(argv[++i]);
+    else if (a == "--variant" && i + 1 < argc) {
+      // One variant or a comma-separated list.
+      for (const char* p = argv[++i]; *p != '\0';) {
+        char* end = nullptr;
+        only_variants.push_back(static_cast<int>(std::strtol(p, &end, 10)));
+        if (end == p) break;
+        p = *end == ',' ? end + 1 : end;
+      }
+    }
     else {
-      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072] [--variant N]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072] [--variant N[,N...]]\n", argv[0]);
       return 2;
     }
   }
@@ -250,9 +258,12 @@ int Main(int argc, char** argv) {
     CKS(probe.status());
     default_variant = (*probe)->variant();
   }
-  for (int variant = 0; variant < 6; ++variant)
+  for (int variant = 0; variant < 9; ++variant)
   for (const Shape& sh : shapes) {
-    if (only_variant >= 0 && variant != only_variant) continue;
+    if (!only_variants.empty() &&
+        std::find(only_variants.begin(), only_variants.end(), variant) == only_variants.end()) {
+      continue;
+    }
     if (!only.empty() && only != "B" + std::to_string(sh.batch) + "_S" + std::to_string(sh.tokens)) {
       continue;
     }
