@@ -40,12 +40,6 @@ struct LaunchArgs {
   float* qexact;         // [item][Hq][D], scaled by scale_log2
   float* partials;       // [partial][PartialFloats(g, D)]
   int int_qk;            // query fragments in the integer-digit format (kIntQK)
-  // Fused kernel (variant 6) only:
-  int num_work;              // work units; blocks past them are empty items
-  const int* empty_items;    // items with no tokens (their out = 0, lse = -inf)
-  int* counters;             // [item][kv head] finished units, zero between launches
-  int debug;                 // benchmarks only: stages the fused kernel skips (see FusedKernel)
-  int merge_kernel;          // the fused kernel leaves the merge to the merge kernel (variant 8)
 };
 
 template <int D, int NG, bool G8>
@@ -163,40 +157,6 @@ __device__ __forceinline__ uint32_t Ld32(const uint8_t* p) {
 }
 __device__ __forceinline__ uint2 Ld64(const uint8_t* p) {
   return __ldg(reinterpret_cast<const uint2*>(p));
-}
-
-// Loads through the read-only path (global) or from shared memory (kShared).
-template <bool kShared>
-__device__ __forceinline__ uint32_t LdW(const uint8_t* p) {
-  if constexpr (kShared) {
-    uint32_t v;
-    asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
-    return v;
-  } else {
-    return Ld32(p);
-  }
-}
-template <bool kShared>
-__device__ __forceinline__ uint2 LdW2(const uint8_t* p) {
-  if constexpr (kShared) {
-    uint2 v;
-    asm volatile("ld.shared.v2.b32 {%0, %1}, [%2];\n"
-                 : "=r"(v.x), "=r"(v.y)
-                 : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
-    return v;
-  } else {
-    return Ld64(p);
-  }
-}
-template <bool kShared>
-__device__ __forceinline__ uint32_t LdH(const uint8_t* p) {
-  if constexpr (kShared) {
-    unsigned short v;
-    asm volatile("ld.shared.b16 %0, [%1];\n" : "=h"(v) : "r"(static_cast<uint32_t>(__cvta_generic_to_shared(p))));
-    return v;
-  } else {
-    return __ldg(reinterpret_cast<const unsigned short*>(p));
-  }
 }
 
 // Registers of one 32-token chunk of one page for one kv head.

@@ -44,12 +44,7 @@ struct ExactWarp {
 
   // The scaled query (from the prep kernel) and zero state.
   __device__ void Init(const LaunchArgs& a, int item, int h, int lane) {
-    Init(a.qexact + (size_t(item) * a.hq + h * a.g) * D, a.g, lane);
-  }
-
-  // The same from the scaled queries `qe` [g][D] of the group (global or
-  // shared memory).
-  __device__ void Init(const float* qe, int g, int lane) {
+    const int g = a.g;
     const int D0 = lane * EL;
 #pragma unroll
     for (int hh = 0; hh < HG; ++hh) {
@@ -58,7 +53,7 @@ struct ExactWarp {
 #pragma unroll
       for (int e = 0; e < EL; ++e) {
         acc[hh][e] = 0.0f;
-        q[hh][e] = hh < g ? qe[hh * D + D0 + e] : 0.0f;
+        q[hh][e] = hh < g ? a.qexact[(size_t(item) * a.hq + h * g + hh) * D + D0 + e] : 0.0f;
       }
     }
   }

@@ -45,13 +45,7 @@ struct HistoryWarp {
 
   // The query fragments and sums from the prep kernel; zero state.
   __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
-    InitQuery(a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (QN * QK * 2 * 32),
-              a.qmeta + (size_t(item) * a.hq + h * a.g) * kQueryMetaFloats, a.g, lane);
-  }
-
-  // The same from the fragments `qf` of the kv head and the metas `meta0` of
-  // its g query heads (global or shared memory).
-  __device__ void InitQuery(const uint32_t* qf, const float* meta0, int g, int lane) {
+    const uint32_t* qf = a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (QN * QK * 2 * 32);
 #pragma unroll
     for (int nt = 0; nt < QN; ++nt)
 #pragma unroll
@@ -61,8 +55,8 @@ struct HistoryWarp {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int hh = hh0 + j;
-      const bool valid = hh < g;
-      const float* meta = meta0 + size_t(valid ? hh : 0) * kQueryMetaFloats;
+      const float* meta = a.qmeta + (size_t(item) * a.hq + h * a.g + hh) * kQueryMetaFloats;
+      const bool valid = hh < a.g;
       mult[j] = valid ? meta[0] : 0.0f;
 #pragma unroll
       for (int gi = 0; gi < NG; ++gi) qsum[j][gi] = valid ? meta[1 + gi] : 0.0f;
@@ -79,16 +73,13 @@ struct HistoryWarp {
         for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
   }
 
-  template <bool kShared = false>
   __device__ __forceinline__ void Load(Regs& x, const uint8_t* page, int chunk) const {
-    LoadK<kShared>(x, page, chunk);
-    LoadV<kShared>(x, page, chunk);
+    LoadK(x, page, chunk);
+    LoadV(x, page, chunk);
   }
 
   // The K half (codes and params) of a chunk. Per-thread base pointers; every
   // load then uses a compile-time offset (no per-load address arithmetic).
-  // kShared: `page` points into shared memory (a staged chunk).
-  template <bool kShared = false>
   __device__ __forceinline__ void LoadK(Regs& x, const uint8_t* page, int chunk) const {
     const uint8_t* kb = page + k_thread + size_t(chunk) * (32 * D / 4);
     const uint8_t* kpb = page + kp_thread + size_t(chunk) * (32 * NG * 4);
@@ -97,22 +88,21 @@ struct HistoryWarp {
     for (int i = 0; i < 4; ++i) {
       const uint8_t* kp = kb + kRowOff[i] * (D / 4);
       if constexpr (C::KW == 1) {
-        x.kc[i][0] = LdW<kShared>(kp);
+        x.kc[i][0] = Ld32(kp);
       } else {
 #pragma unroll
         for (int w = 0; w < C::KW; w += 2) {
-          const uint2 v = LdW2<kShared>(kp + 4 * w);
+          const uint2 v = Ld64(kp + 4 * w);
           x.kc[i][w] = v.x;
           x.kc[i][w + 1] = v.y;
         }
       }
 #pragma unroll
-      for (int gi = 0; gi < NG; ++gi) x.kp[i][gi] = LdW<kShared>(kpb + (kRowOff[i] * NG + gi) * 4);
+      for (int gi = 0; gi < NG; ++gi) x.kp[i][gi] = Ld32(kpb + (kRowOff[i] * NG + gi) * 4);
     }
   }
 
   // The V half (codes and params) of a chunk.
-  template <bool kShared = false>
   __device__ __forceinline__ void LoadV(Regs& x, const uint8_t* page, int chunk) const {
     const uint8_t* vb = page + v_thread + size_t(chunk) * (32 * D / 4);
     const uint8_t* vpb = page + vp_thread + size_t(chunk) * (32 * NG * 4);
@@ -120,7 +110,7 @@ struct HistoryWarp {
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
-      for (int gi = 0; gi < NG; ++gi) x.vp[i][gi] = LdW<kShared>(vpb + (kRowOff[i] * NG + gi) * 4);
+      for (int gi = 0; gi < NG; ++gi) x.vp[i][gi] = Ld32(vpb + (kRowOff[i] * NG + gi) * 4);
     }
     constexpr int kTokOff[4] = {0, 1, 8, 9};
 #pragma unroll
@@ -129,11 +119,11 @@ struct HistoryWarp {
       for (int i = 0; i < 4; ++i) {
         const uint8_t* vp = vb + (16 * tau + kTokOff[i]) * (D / 4);
         if constexpr (C::VB == 2) {
-          x.vc[tau][i][0] = LdH<kShared>(vp);
+          x.vc[tau][i][0] = __ldg(reinterpret_cast<const unsigned short*>(vp));
         } else if constexpr (C::VB == 4) {
-          x.vc[tau][i][0] = LdW<kShared>(vp);
+          x.vc[tau][i][0] = Ld32(vp);
         } else {
-          const uint2 v = LdW2<kShared>(vp);
+          const uint2 v = Ld64(vp);
           x.vc[tau][i][0] = v.x;
           x.vc[tau][i][1] = v.y;
         }

@@ -5,7 +5,6 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/attend_exact.cuh"
-#include "kernels/cuda/attend_fused.cuh"
 #include "kernels/cuda/attend_history.cuh"
 #include "kernels/cuda/attend_merge.cuh"
 #include "kernels/cuda/attend_prep.cuh"
@@ -44,65 +43,6 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
   }
 }
 
-// An exact unit: the sink / recent blocks [begin, end) of one (item, kv
-// head); each block's tokens split over the 4 warps, in steps of
-// Ex::kTokensPerStep tokens. The block references are held one per lane
-// (blocks [base, base + 32)); the first step's rows are loaded before the
-// query is needed: `ready()` is called then (by all threads of the block),
-// after which the group's scaled query is at `qe` (shared memory, fused
-// kernel) or, when `qe` is null, in a.qexact (the prep kernel's).
-template <int D, int HG, class Ready>
-__device__ void ExactUnit(const LaunchArgs& a, const WorkUnit& wu, const ItemPlan& item,
-                          int warp, int lane, Ready ready, const float* qe, float (*sm_o)[D],
-                          float* sm_m, float* sm_l) {
-  using Ex = ExactWarp<D, HG>;
-  Ex ex;
-  const int nb = wu.end - wu.begin;
-  int base = 0;
-  auto fetch_ref = [&](int b0) {
-    ExactBlockRef r{nullptr, 0};
-    if (b0 + lane < nb) r = item.exact[wu.begin + b0 + lane];
-    return r;
-  };
-  ExactBlockRef my_ref = fetch_ref(0);
-  ExactBlockRef blk{nullptr, 0};
-  int e = 0, t = 0, t1 = 0;
-  // Moves to the first block at or after `from` with tokens for this warp.
-  auto seek = [&](int from) {
-    for (e = from; e < nb; ++e) {
-      if (e >= base + 32) {
-        base += 32;
-        my_ref = fetch_ref(base);
-      }
-      blk.block = reinterpret_cast<const bf16_bits*>(__shfl_sync(
-          kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
-      blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
-      const int per = (blk.tokens + kWarps - 1) / kWarps;
-      t = warp * per;
-      t1 = min(blk.tokens, t + per);
-      if (t < t1) return;
-    }
-  };
-  typename Ex::Rows rows;
-  seek(0);
-  if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
-  ready();
-  if (e < nb) {
-    if (qe == nullptr) {
-      ex.Init(a, wu.item, wu.kv_head, lane);
-    } else {
-      ex.Init(qe, a.g, lane);
-    }
-    while (e < nb) {
-      ex.Step(a.g, rows, t, t1);
-      t += Ex::kTokensPerStep;
-      if (t >= t1) seek(e + 1);
-      if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
-    }
-    ex.Finish(a.g, lane, sm_o, sm_m, sm_l);
-  }
-}
-
 // kPrefetch: register double buffer of whole chunks. kPipeline: software
 // pipeline, QK of chunk i+1 next to softmax / PV of chunk i (two independent
 // instruction streams per warp), K and V halves loaded on separate schedules.
@@ -125,12 +65,53 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   }
   __syncwarp();
   if (wu.exact) {
-    auto wait_for_prep = [] {
-      WaitForPrerequisites();  // the prep kernel's scaled queries
-      LaunchDependents();
+    // Exact blocks [begin, end); each block's tokens split over the 4 warps,
+    // in steps of Ex::kTokensPerStep tokens. The block references are held one
+    // per lane (blocks [base, base + 32)); the first step's rows are loaded
+    // before waiting for the prep kernel.
+    using Ex = ExactWarp<D, HG>;
+    Ex ex;
+    const int nb = wu.end - wu.begin;
+    int base = 0;
+    auto fetch_ref = [&](int b0) {
+      ExactBlockRef r{nullptr, 0};
+      if (b0 + lane < nb) r = item.exact[wu.begin + b0 + lane];
+      return r;
     };
-    ExactUnit<D, HG>(a, wu, item, warp, lane, wait_for_prep, nullptr, sm_o[warp], sm_m[warp],
-                     sm_l[warp]);
+    ExactBlockRef my_ref = fetch_ref(0);
+    ExactBlockRef blk{nullptr, 0};
+    int e = 0, t = 0, t1 = 0;
+    // Moves to the first block at or after `from` with tokens for this warp.
+    auto seek = [&](int from) {
+      for (e = from; e < nb; ++e) {
+        if (e >= base + 32) {
+          base += 32;
+          my_ref = fetch_ref(base);
+        }
+        blk.block = reinterpret_cast<const bf16_bits*>(__shfl_sync(
+            kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
+        blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
+        const int per = (blk.tokens + kWarps - 1) / kWarps;
+        t = warp * per;
+        t1 = min(blk.tokens, t + per);
+        if (t < t1) return;
+      }
+    };
+    typename Ex::Rows rows;
+    seek(0);
+    if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+    WaitForPrerequisites();  // the prep kernel's scaled queries
+    LaunchDependents();
+    if (e < nb) {
+      ex.Init(a, wu.item, wu.kv_head, lane);
+      while (e < nb) {
+        ex.Step(a.g, rows, t, t1);
+        t += Ex::kTokensPerStep;
+        if (t >= t1) seek(e + 1);
+        if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+      }
+      ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
+    }
   } else {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (wu.end - wu.begin) * cpp;
@@ -221,137 +202,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
 }
 
-// The fused kernel (variant 6, attend_fused.cuh): one launch per call.
-template <int D, int NG, bool G8, bool kInt, int kMinBlocks>
-__global__ void __launch_bounds__(kThreads, kMinBlocks) FusedKernel(LaunchArgs a) {
-  using Smem = fused::BlockSmem<D, G8, kInt>;
-  constexpr int HG = Smem::HG, S = fused::Stages<D>(), kSlot = fused::SlotBytes<D, NG>();
-  extern __shared__ __align__(128) uint8_t ring[];  // [kWarps][S][kSlot], then Smem
-  Smem& sm = *reinterpret_cast<Smem*>(ring + fused::RingBytes<D, NG>());
-  const int warp = WarpIndex(), lane = threadIdx.x & 31;
-  if (blockIdx.x >= a.num_work) {  // an item with no tokens
-    const ItemPlan& item = a.items[a.empty_items[blockIdx.x - a.num_work]];
-    for (int i = threadIdx.x; i < a.hq * D; i += kThreads) item.out[i] = 0.0f;
-    if (item.lse != nullptr) {
-      for (int i = threadIdx.x; i < a.hq; i += kThreads) item.lse[i] = -INFINITY;
-    }
-    return;
-  }
-  if (a.merge_kernel) LaunchDependents();  // the merge kernel waits for this grid to finish
-  const WorkUnit wu = a.work[blockIdx.x];
-  if (a.debug & 16) return;
-  const ItemPlan& item = a.items[wu.item];
-  const int h = wu.kv_head;
-  if (lane < HG) {
-    sm.m[warp][lane] = -INFINITY;
-    sm.l[warp][lane] = 0.0f;
-  }
-  if (wu.exact && (a.debug & 64)) return;
-  if (wu.exact) {
-    // The first rows are loaded before the query.
-    auto load_query = [&] {
-      fused::LoadQuery<D, HG>(a, item, h, true, sm.qin, sm.qr);
-      __syncthreads();
-    };
-    ExactUnit<D, HG>(a, wu, item, warp, lane, load_query, &sm.qr[0][0], sm.u.o[warp], sm.m[warp],
-                     sm.l[warp]);
-  } else {
-    const int cpp = a.geom.page_tokens / 32;
-    const int n = (wu.end - wu.begin) * cpp;
-    const int iters = warp < n ? (n - warp + kWarps - 1) / kWarps : 0;
-    uint8_t* my_ring = ring + warp * S * kSlot;
-    uint64_t* bars = sm.bars[warp];
-    // Page pointers for iterations [base, base + 32), one per lane; asked
-    // for in non-decreasing iteration order.
-    int base = 0;
-    auto chunk_of = [&](int it) { return warp + kWarps * it; };
-    auto fetch_ptr = [&](int it0) -> const uint8_t* {
-      const int ci = chunk_of(it0 + lane);
-      return ci < n ? item.pages[wu.begin + ci / cpp] : nullptr;
-    };
-    const uint8_t* my_ptr = fetch_ptr(0);
-    auto page_of = [&](int it) -> const uint8_t* {
-      if (it >= base + 32) {
-        base += 32;
-        my_ptr = fetch_ptr(base);
-      }
-      return reinterpret_cast<const uint8_t*>(
-          __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
-    };
-    if (lane == 0) {
-#pragma unroll
-      for (int s = 0; s < S; ++s) fused::MbarInit(&bars[s]);
-      fused::FenceBarrierInit();
-    }
-    __syncwarp();
-#pragma unroll
-    for (int s = 0; s < S; ++s) {
-      if (s < iters) {
-        const uint8_t* pg = page_of(s);
-        if (lane == 0) {
-          fused::IssueChunk<D, NG>(a.geom, h, pg, chunk_of(s) % cpp, my_ring + s * kSlot, &bars[s]);
-        }
-      }
-    }
-    if (a.debug & 32) {
-      for (int it = 0; it < min(iters, S); ++it) fused::MbarWait(&bars[it], 0);
-      return;
-    }
-    if (wu.begin == 0) fused::PrefetchRv<D>(item, h);
-    // The query while the first chunks are in flight.
-    fused::LoadQuery<D, HG>(a, item, h, false, sm.qin, sm.qr);
-    __syncthreads();
-    if (!(a.debug & 4)) fused::BuildRotatedQuery<D, G8, kInt>(a, item, h, sm);
-    if (a.debug & 1) {
-      for (int it = 0; it < min(iters, S); ++it) fused::MbarWait(&bars[it], 0);
-    } else if (iters > 0) {
-      using Warp = HistoryWarp<D, NG, G8, kInt>;
-      Warp hw;
-      hw.InitOffsets(PageGeometry{1, D, D / NG, 32}, 0, lane);
-      hw.InitQuery(sm.frag, &sm.meta[0][0], a.g, lane);
-      for (int it = 0; it < iters; ++it) {
-        const int s = it % S;
-        uint8_t* slot = my_ring + s * kSlot;
-        fused::MbarWait(&bars[s], (it / S) & 1);
-        typename Warp::Regs x;
-        hw.template LoadK<true>(x, slot, 0);
-        float lg[2][4];
-        hw.Logits(x, lg);
-        hw.template LoadV<true>(x, slot, 0);
-        hw.Accumulate(x, lg);
-        if (it + S < iters) {
-          const uint8_t* pg = page_of(it + S);
-          __syncwarp();
-          if (lane == 0) {
-            fused::FenceProxyAsync();
-            fused::IssueChunk<D, NG>(a.geom, h, pg, chunk_of(it + S) % cpp, slot, &bars[s]);
-          }
-        }
-      }
-      hw.Finish(a.g, sm.u.o[warp], sm.m[warp], sm.l[warp]);
-    }
-  }
-  WritePartial<D, HG>(a, wu.partial, sm.u.o, sm.m, sm.l);
-  if (a.merge_kernel) return;
-  // The last unit of the (item, kv head) to finish merges the group.
-  if (a.debug & 8) return;
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int* counter = a.counters + size_t(wu.item) * a.geom.kv_heads + h;
-    const int total = item.hist_splits + item.exact_splits;
-    const int done = atomicAdd(counter, 1) + 1;
-    sm.last = done == total ? 1 : 0;
-    if (done == total) *counter = 0;  // ready for the next launch
-  }
-  __syncthreads();
-  if (!sm.last || (a.debug & 2)) return;
-  __threadfence();
-  // The ring is free now: it holds the merge's per-partial weights.
-  fused::MergeGroup<D, G8, kInt>(a, item, h, sm, reinterpret_cast<float*>(ring),
-                                 fused::RingBytes<D, NG>() / int(sizeof(float) * HG));
-}
-
 // Launches `kernel` with programmatic stream serialization (PDL) allowed.
 template <typename Kernel>
 absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream,
@@ -376,31 +226,7 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // 3 / 4 = variants 0 / 2 with q·K on the integer tensor cores (D = 128 and at
 // most 4 query heads per kv head; other shapes run variants 0 / 2).
 inline bool UsesIntQk(int variant, int head_dim, bool g8) {
-  return (variant == 3 || variant == 4 || variant == 5 || IsFused(variant)) &&
-         head_dim == 128 && !g8;
-}
-
-// The fused kernel for a shape: 4 resident blocks per SM at D = 128 with at
-// most 4 query heads per kv head (128 registers), fewer for larger state.
-// Variant 7: the same held to 3 blocks per SM (170 registers, no spills).
-template <int D, int NG, bool G8>
-auto FusedKernelFor(int variant) {
-  constexpr bool kInt = D == 128 && !G8;
-  constexpr int kMinBlocks = (D <= 128 && !G8) ? 4 : (D <= 128 ? 2 : 1);
-  if constexpr (D <= 128 && !G8) {
-    if (variant == kFusedVariant + 1 || variant == kFusedVariant + 2) {
-      return &FusedKernel<D, NG, G8, kInt, 3>;
-    }
-  }
-  return &FusedKernel<D, NG, G8, kInt, kMinBlocks>;
-}
-
-template <int D, int NG, bool G8>
-absl::Status SetFusedSmem(int variant) {
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(FusedKernelFor<D, NG, G8>(variant),
-                                                    cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                                    fused::DynamicSmemBytes<D, NG, G8, (D == 128 && !G8)>()));
-  return absl::OkStatus();
+  return (variant == 3 || variant == 4 || variant == 5) && head_dim == 128 && !g8;
 }
 
 template <int D, int NG, bool G8>
@@ -422,25 +248,6 @@ template <int D, int NG, bool G8>
 absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStream_t stream) {
   LaunchArgs a = args;
   a.int_qk = UsesIntQk(s.variant, D, G8) ? 1 : 0;
-  if (IsFused(s.variant)) {
-    // Variant 8: the partials are merged by the merge kernel (PDL), which
-    // also covers items with no tokens.
-    a.merge_kernel = s.variant == kFusedVariant + 2 ? 1 : 0;
-    const long blocks = long(s.num_work) + (a.merge_kernel ? 0 : s.num_empty);
-    if (blocks > 0x7fffffffL) return absl::InvalidArgumentError("attention batch too large");
-    if (blocks > 0) {
-      FusedKernelFor<D, NG, G8>(s.variant)<<<dim3(static_cast<unsigned>(blocks)), kThreads,
-                                             fused::DynamicSmemBytes<D, NG, G8, (D == 128 && !G8)>(),
-                                             stream>>>(a);
-      OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
-    }
-    if (a.merge_kernel) {
-      OSCARKV_RETURN_IF_ERROR(
-          LaunchPdl(s.wide_merge ? &MergeKernel<D, true> : &MergeKernel<D, false>,
-                    dim3(s.num_items, s.hq, D / 32), dim3(kThreads), stream, a));
-    }
-    return absl::OkStatus();
-  }
   // A cluster of kPrepCluster blocks per (item, query head) (__cluster_dims__).
   const long prep_blocks = long(s.num_items) * s.hq * kPrepCluster;
   if (prep_blocks > 0x7fffffffL) return absl::InvalidArgumentError("attention batch too large");
@@ -461,12 +268,6 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
 template <int D, int NG, bool G8>
 absl::StatusOr<int> BlocksPerSmTyped(const LaunchShape& s) {
   int blocks = 0;
-  if (IsFused(s.variant)) {
-    OSCARKV_RETURN_IF_ERROR((SetFusedSmem<D, NG, G8>(s.variant)));
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-        &blocks, FusedKernelFor<D, NG, G8>(s.variant), kThreads, fused::DynamicSmemBytes<D, NG, G8, (D == 128 && !G8)>()));
-    return blocks;
-  }
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &blocks, SplitKernelFor<D, NG, G8>(s.variant), kThreads, 0));
   return blocks;

@@ -60,12 +60,7 @@ class AttendLauncher {
   //   2 = software pipeline (q·K of the next chunk next to P·V of this one);
   //   3 = 0 with q·K on the integer tensor cores (D = 128, <= 4 query heads
   //       per kv head; else 0) -- the default, fastest at every measured shape;
-  //   4 = 2 with integer q·K;
-  //   5 = 3 held to 128 registers (4 blocks/SM);
-  //   6 = one fused kernel (attend_fused.cuh): chunks staged in shared memory
-  //       by the bulk-copy engine, the query prepared and the partials merged
-  //       inside the same launch (falls back to 3 for pages that are not
-  //       16-byte aligned).
+  //   4 = 2 with integer q·K.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
   void set_variant(int variant) { variant_ = variant; }
@@ -80,12 +75,10 @@ class AttendLauncher {
  private:
   AttendLauncher(int device, int num_sms);
   absl::Status Reserve(size_t upload_bytes, size_t device_bytes);
-  absl::Status ReserveCounters(size_t count);
 
   int device_;
   int num_sms_;
   int variant_ = 3;
-  int debug_ = 0;
   int stages_ = 3;
   // Pinned staging (host) and the workspace (device): the upload region first,
   // then device-only scratch (query fragments, partials).
@@ -94,9 +87,6 @@ class AttendLauncher {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   cudaEvent_t upload_done_ = nullptr;
-  // Fused variant: one counter per (item, kv head), zero between launches.
-  void* counters_ = nullptr;
-  size_t counters_count_ = 0;
 
   // The prepared launch.
   struct Prepared;

@@ -23,14 +23,7 @@ struct LaunchShape {
   int variant = 3;  // split-kernel variant (see AttendLauncher::set_variant)
   int stages = 3;   // kernels enqueued: 1 = prep, 2 = + split, 3 = + merge (all)
   bool wide_merge = false;  // MergeBatch(head_dim, true): some kv head has many partials
-  int num_empty = 0;        // fused variant: items with no tokens (one block each)
 };
-
-// The split-kernel variants that are one fused kernel (attend_fused.cuh):
-// 6, 7 = 6 at 3 resident blocks per SM instead of 4, 8 = 7 with the merge
-// left to the merge kernel.
-inline constexpr int kFusedVariant = 6;
-inline constexpr bool IsFused(int variant) { return variant >= 6 && variant <= 8; }
 
 // Prep, split-KV and merge kernels, enqueued on `stream`.
 absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& shape,

@@ -43,8 +43,6 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   std::unique_ptr<AttendLauncher> l(new AttendLauncher(device, sms));
   // Operators (and the GPU tests) may pick the split-kernel variant.
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_VARIANT")) l->variant_ = std::atoi(v);
-  // Benchmarks only: fused-kernel stages to skip (wrong results).
-  if (const char* v = std::getenv("OSCARKV_CUDA_FUSED_DEBUG")) l->debug_ = std::atoi(v);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
   return l;
 }
@@ -59,7 +57,6 @@ AttendLauncher::~AttendLauncher() {
     cudaDeviceSynchronize();
     cudaFree(workspace_);
   }
-  if (counters_ != nullptr) cudaFree(counters_);
   if (staging_ != nullptr) cudaFreeHost(staging_);
   if (upload_done_ != nullptr) cudaEventDestroy(upload_done_);
 }
@@ -88,22 +85,6 @@ absl::Status AttendLauncher::Reserve(size_t upload_bytes, size_t device_bytes) {
   return absl::OkStatus();
 }
 
-absl::Status AttendLauncher::ReserveCounters(size_t count) {
-  if (count <= counters_count_) return absl::OkStatus();
-  const size_t want = std::max(count, counters_count_ * 3 / 2);
-  if (counters_ != nullptr) {
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaFree(counters_));
-  }
-  counters_ = nullptr;
-  counters_count_ = 0;
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMalloc(&counters_, want * sizeof(int)));
-  // Zero once; every fused launch leaves its counters at zero again.
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemset(counters_, 0, want * sizeof(int)));
-  counters_count_ = want;
-  return absl::OkStatus();
-}
-
 absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) {
   OSCARKV_RETURN_IF_ERROR(cuda_attend::CheckAttendBatch(b));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
@@ -120,20 +101,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.hq = b.num_q_heads;
   shape.variant = variant_;
   shape.stages = stages_;
-  if (cuda_attend::IsFused(variant_)) {
-    // The fused kernel copies chunks with the bulk-copy engine, which needs
-    // 16-byte aligned pages (pool slots are 256-byte aligned); otherwise this
-    // call takes the 3-kernel path.
-    for (int i = 0; i < n && shape.variant == variant_; ++i) {
-      for (int p = 0; p < b.items[i].num_pages; ++p) {
-        if ((reinterpret_cast<uintptr_t>(b.items[i].pages[p]) & 15u) != 0) {
-          shape.variant = 3;
-          break;
-        }
-      }
-    }
-  }
-  const bool fused = cuda_attend::IsFused(shape.variant);
 
   // Work units: exact blocks first (short), then history ranges sized so that
   // all units fit in one wave of resident blocks (attend_schedule.h).
@@ -157,10 +124,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t off_pages = AlignUp(off_items + sizeof(ItemPlan) * n);
   const size_t off_exact = AlignUp(off_pages + sizeof(void*) * total_pages);
   const size_t off_work = AlignUp(off_exact + sizeof(ExactBlockRef) * total_exact);
-  int num_empty = 0;
-  for (int i = 0; i < n; ++i) num_empty += b.items[i].num_pages == 0 && b.items[i].num_exact == 0;
-  const size_t off_empty = AlignUp(off_work + sizeof(WorkUnit) * num_work);
-  const size_t upload = AlignUp(off_empty + sizeof(int) * num_empty);
+  const size_t upload = AlignUp(off_work + sizeof(WorkUnit) * num_work);
   const size_t off_qfrag = upload;
   const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
   const size_t off_qexact =
@@ -171,14 +135,12 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   // The staging buffer may still feed the previous upload.
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(upload_done_));
   OSCARKV_RETURN_IF_ERROR(Reserve(upload, total));
-  if (fused) OSCARKV_RETURN_IF_ERROR(ReserveCounters(size_t(n) * H));
   auto* host = static_cast<uint8_t*>(staging_);
   auto* dev = static_cast<uint8_t*>(workspace_);
   auto* items = reinterpret_cast<ItemPlan*>(host + off_items);
   auto* pages = reinterpret_cast<const uint8_t**>(host + off_pages);
   auto* exact = reinterpret_cast<ExactBlockRef*>(host + off_exact);
   auto* work = reinterpret_cast<WorkUnit*>(host + off_work);
-  auto* empty = reinterpret_cast<int*>(host + off_empty);
 
   long page_pos = 0, exact_pos = 0;
   for (int i = 0; i < n; ++i) {
@@ -205,9 +167,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     page_pos += it.num_pages;
     exact_pos += it.num_exact;
   }
-  for (int i = 0, e = 0; i < n; ++i) {
-    if (b.items[i].num_pages == 0 && b.items[i].num_exact == 0) empty[e++] = i;
-  }
   cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, items);
   int max_splits = 0;
   for (int i = 0; i < n; ++i) {
@@ -219,12 +178,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_done_, stream));
 
   shape.num_work = w;
-  shape.num_empty = num_empty;
   LaunchArgs& a = prepared_->args;
-  a.num_work = w;
-  a.empty_items = reinterpret_cast<const int*>(dev + off_empty);
-  a.counters = fused ? static_cast<int*>(counters_) : nullptr;
-  a.debug = debug_;
   a.items = reinterpret_cast<const ItemPlan*>(dev + off_items);
   a.work = reinterpret_cast<const WorkUnit*>(dev + off_work);
   a.geom = geom;

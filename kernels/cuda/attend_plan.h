@@ -44,9 +44,8 @@ struct WorkUnit {
   int exact = 0;  // 1: exact unit
 };
 
-// Floats per partial: acc [g][D], then m [g], then l [g], padded to a
-// multiple of 4 (16-byte aligned partials, read as float4).
-inline constexpr size_t PartialFloats(int g, int d) { return (size_t(g) * (d + 2) + 3) / 4 * 4; }
+// Floats per partial: acc [g][D], then m [g], then l [g].
+inline constexpr size_t PartialFloats(int g, int d) { return size_t(g) * (d + 2); }
 
 // Partials each warp of the merge kernel loads before combining them (one
 // round of memory latency covers 4 warps x this many): the wide merge is for

@@ -90,7 +90,12 @@ UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity) 
     for (int i = 0; i < n; ++i) c += (items[i].num_exact + e - 1) / e;
     return c * H;
   };
-  while (u.exact_per_unit < max_exact && count_exact(u.exact_per_unit) > capacity / 4) {
+  // Exact units are short chains of dependent loads: with little history they
+  // are the critical path, so they get more of the wave (one block each where
+  // possible); with much history the history units need the slots.
+  const bool light_history = total_pages * H <= kLightPagesPerUnit * capacity;
+  const long exact_cap = light_history ? capacity / 4 : capacity / 8;
+  while (u.exact_per_unit < max_exact && count_exact(u.exact_per_unit) > exact_cap) {
     ++u.exact_per_unit;
   }
   u.exact_units = total_exact > 0 ? count_exact(u.exact_per_unit) : 0;

@@ -26,10 +26,16 @@ struct UnitSizes {
   long num_work() const { return exact_units + history_units; }
 };
 
+// History is "light" when the history units would hold at most this many
+// pages each in one full wave.
+inline constexpr long kLightPagesPerUnit = 16;
+
 // Sizes the units so that they fit in one wave of `capacity` resident
 // blocks: exact units (item, kv head, up to exact_per_unit blocks) take at
-// most capacity / 8 where the batch allows, history units (item, kv head,
-// up to pages_per_unit pages) the rest, at least capacity / 2.
+// most capacity / 4 when the history is light, else capacity / 8, where the
+// batch allows; history units (item, kv head, up to pages_per_unit pages)
+// the rest, at least capacity / 2. (H200, 2026-11-29: capacity / 4 for all
+// shapes took B1 8K from 23.6 to 19.7 us but B1 128K from 57.0 to 61.5 us.)
 UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity);
 
 // Writes sizes.num_work() units into `work`: every item's exact units (kv head

@@ -1,6 +1,7 @@
 #include "kernels/cuda/codec_kernels.h"
 
 #include <cuda_bf16.h>
+#include <cuda_fp16.h>
 #include <mma.h>
 
 #include <cmath>
@@ -14,7 +15,7 @@ namespace {
 
 using bf16 = __nv_bfloat16;
 
-constexpr int kEncodeWarps = 8;
+constexpr int kEncodeWarps = 16;
 constexpr int kEncodeThreads = kEncodeWarps * 32;
 constexpr int kEncodeTilesPerBlock = 8;
 // Clip threshold by repeated max extraction when it is among the largest
@@ -119,7 +120,11 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const float (
 }
 
 // Clamp to [-tau, tau], quantize and pack one rotated row held in shared
-// memory; one warp.
+// memory; one warp. Lane owns elements lane + 32 i. The group's (scale, min)
+// are computed once per group a lane holds (hardware fp16 conversion, round
+// to nearest even: the same bits as the CPU's FloatToFp16 for finite values),
+// and for D >= 128 each lane packs whole code bytes itself: byte j holds
+// elements j + k·D/4, which are the lane's own (no shared memory).
 template <int D>
 __device__ void QuantizeRowWarp(const float* yrow, int group, float tau, uint8_t* codes_out,
                                 QuantParams* params_out, uint8_t* q, int lane) {
@@ -140,50 +145,64 @@ __device__ void QuantizeRowWarp(const float* yrow, int group, float tau, uint8_t
       mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
     }
   }
-  if (group > 32) {
-    const int per = group / 32;
-    float gmn[E], gmx[E];
+  // Elements i and i' of a lane share a group when G > 32 and i / per == i' / per.
+  const int per = group > 32 ? group / 32 : 1;
+  if (per > 1) {
 #pragma unroll
     for (int i = 0; i < E; ++i) {
-      float a = INFINITY, b = -INFINITY;
+      if (i % per != 0) continue;
+      float a = mn[i], b = mx[i];
 #pragma unroll
-      for (int j = 0; j < E; ++j) {
-        if (j / per == i / per) {
-          a = fminf(a, mn[j]);
-          b = fmaxf(b, mx[j]);
+      for (int j = 1; j < E; ++j) {
+        if (j < per && i + j < E) {
+          a = fminf(a, mn[i + j]);
+          b = fmaxf(b, mx[i + j]);
         }
       }
-      gmn[i] = a;
-      gmx[i] = b;
-    }
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      mn[i] = gmn[i];
-      mx[i] = gmx[i];
+      mn[i] = a;
+      mx[i] = b;
     }
   }
 
+  uint32_t c[E];
+  float loq = 0.0f, inv = 0.0f;
 #pragma unroll
   for (int i = 0; i < E; ++i) {
-    const float lo = mn[i], hi = mx[i];
-    const float s = fmaxf(__fsub_rn(hi, lo), kMinRange) / 3.0f;
-    const fp16_bits s_h = FloatToFp16(s);
-    const fp16_bits lo_h = FloatToFp16(lo);
-    const float sq = Fp16ToFloat(s_h);
-    const float loq = Fp16ToFloat(lo_h);
-    const float inv = sq > 0.0f ? 1.0f / sq : 0.0f;
-    float c = rintf(__fmul_rn(__fsub_rn(y[i], loq), inv));
-    c = fminf(fmaxf(c, 0.0f), 3.0f);
-    const int e = lane + 32 * i;
-    q[e] = static_cast<uint8_t>(c);
-    if (e % group == 0) params_out[e / group] = QuantParams{s_h, lo_h};
+    if (i % per == 0) {  // first element of a group this lane holds
+      const float lo = mn[i], hi = mx[i];
+      const float s = fmaxf(__fsub_rn(hi, lo), kMinRange) / 3.0f;
+      const __half s_h = __float2half_rn(s), lo_h = __float2half_rn(lo);
+      const float sq = __half2float(s_h);
+      loq = __half2float(lo_h);
+      inv = sq > 0.0f ? 1.0f / sq : 0.0f;
+      const int e = lane + 32 * i;
+      if (e % group == 0) {
+        params_out[e / group] = QuantParams{__half_as_ushort(s_h), __half_as_ushort(lo_h)};
+      }
+    }
+    const float cf = fminf(fmaxf(rintf(__fmul_rn(__fsub_rn(y[i], loq), inv)), 0.0f), 3.0f);
+    c[i] = static_cast<uint32_t>(cf);
   }
-  __syncwarp();
-  constexpr int kQuarter = D / 4;
-  for (int j = lane; j < kQuarter; j += 32) {
-    codes_out[j] = PackCodes4(q[j], q[j + kQuarter], q[j + 2 * kQuarter], q[j + 3 * kQuarter]);
+  if constexpr (D >= 128) {
+    // Quarter k of byte j = element j + k·D/4 = lane + 32 i with i = k·E/4 + b.
+    constexpr int kBytes = E / 4;  // code bytes per lane: j = lane + 32 b
+#pragma unroll
+    for (int b = 0; b < kBytes; ++b) {
+      uint32_t byte = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) byte |= c[k * kBytes + b] << (2 * k);
+      codes_out[lane + 32 * b] = static_cast<uint8_t>(byte);
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < E; ++i) q[lane + 32 * i] = static_cast<uint8_t>(c[i]);
+    __syncwarp();
+    constexpr int kQuarter = D / 4;
+    for (int j = lane; j < kQuarter; j += 32) {
+      codes_out[j] = PackCodes4(q[j], q[j + kQuarter], q[j + 2 * kQuarter], q[j + 3 * kQuarter]);
+    }
+    __syncwarp();
   }
-  __syncwarp();
 }
 
 // Warp index the compiler can prove warp-uniform (a shuffle from lane 0), so

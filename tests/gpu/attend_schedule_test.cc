@@ -95,6 +95,17 @@ TEST(AttendSchedule, CoversEveryPageAndBlockOnceForTheBenchmarkShapes) {
   CheckPlan({std::vector<AttendItem>(8, Item(2038, 10)), 8, 396});  // B=8, 64K
 }
 
+TEST(AttendSchedule, ExactUnitsGetMoreOfTheWaveWhenTheHistoryIsLight) {
+  // B=1, 8K tokens: 246 pages per kv head, ~5 per unit: one block per exact unit.
+  const AttendItem light = Item(246, 10);
+  EXPECT_EQ(SizeAttendUnits(&light, 1, 8, 396).exact_per_unit, 1);
+  // B=1, 128K: the history units need the slots (at most 396 / 8 exact units).
+  const AttendItem heavy = Item(4086, 10);
+  const UnitSizes u = SizeAttendUnits(&heavy, 1, 8, 396);
+  EXPECT_EQ(u.exact_per_unit, 2);
+  EXPECT_LE(u.exact_units, 396 / 8);
+}
+
 TEST(AttendSchedule, HandlesEmptyItemsSinkOnlyItemsAndTinyCapacities) {
   CheckPlan({{Item(0, 0), Item(0, 1), Item(3, 2), Item(0, 0)}, 2, 1});
   CheckPlan({{Item(0, 0)}, 4, 396});
