@@ -40,6 +40,7 @@ struct LaunchArgs {
   float* qexact;         // [item][Hq][D], scaled by scale_log2
   float* partials;       // [partial][PartialFloats(g, D)]
   int int_qk;            // query fragments in the integer-digit format (kIntQK)
+  int ablate;            // benchmarks only: parts of the history loop skipped (wrong results)
 };
 
 template <int D, int NG, bool G8>

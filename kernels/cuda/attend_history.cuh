@@ -137,6 +137,33 @@ struct HistoryWarp {
     Accumulate(x, lg);
   }
 
+  // Benchmarks only (wrong results): `ablate` bit 1 skips q·K (logits from
+  // the raw K params), bit 2 skips the softmax and P·V (the logits are only
+  // summed), so the time of each half can be measured in place.
+  __device__ __forceinline__ void ProcessAblated(const Regs& x, int ablate) {
+    float lg[2][4];
+    if (ablate & 1) {
+#pragma unroll
+      for (int tau = 0; tau < 2; ++tau)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) lg[tau][e] = __uint_as_float(x.kp[2 * tau + (e >> 1)][0] & 0x3f7fffffu);
+    } else {
+      Logits(x, lg);
+    }
+    if (ablate & 2) {
+      uint32_t v = 0;
+#pragma unroll
+      for (int tau = 0; tau < 2; ++tau)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v ^= x.vc[tau][i][0] ^ x.vp[i][0];
+      l[0] += lg[0][0] + lg[0][1] + lg[0][2] + lg[0][3] + lg[1][0] + lg[1][1] + lg[1][2] +
+              lg[1][3] + __uint_as_float(v & 0x3f7fffffu);
+    } else {
+      Accumulate(x, lg);
+    }
+  }
+
+
   // Logits (base 2) of tokens {r, r+8} of each 16-token tile, heads hh0 + (j & 1),
   // from the K half of a chunk. No state is touched.
   __device__ __forceinline__ void Logits(const Regs& x, float (&lg)[2][4]) const {

@@ -180,6 +180,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         hw.InitQuery(a, wu.item, wu.kv_head, lane);
         int it = 0;
         if constexpr (kPrefetch) {
+          if (a.ablate != 0) {  // benchmarks only: see HistoryWarp::ProcessAblated
+            const bool loads = !(a.ablate & 4);  // bit 4: no loads past the first two chunks
+            while (true) {
+              hw.ProcessAblated(ra, a.ablate);
+              if (++it >= iters) break;
+              if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), chunk_of(it + 1) % cpp);
+              hw.ProcessAblated(rb, a.ablate);
+              if (++it >= iters) break;
+              if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
+            }
+          } else {
           while (true) {
             hw.Process(ra);
             if (++it >= iters) break;
@@ -187,6 +198,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
             hw.Process(rb);
             if (++it >= iters) break;
             if (it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
+          }
           }
         } else {
           while (true) {

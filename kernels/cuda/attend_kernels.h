@@ -72,6 +72,12 @@ class AttendLauncher {
   // Takes effect at the next Prepare().
   void set_launch_stages(int stages) { stages_ = stages; }
 
+  // For benchmarks only, results are wrong: parts of the history loop of
+  // variants 0, 3 and 5 to skip, to time the rest in place (bit 1: q·K,
+  // bit 2: softmax and P·V, bit 4: the loads after the first two chunks).
+  // Takes effect at the next Prepare().
+  void set_ablate(int bits) { ablate_ = bits; }
+
  private:
   AttendLauncher(int device, int num_sms);
   absl::Status Reserve(size_t upload_bytes, size_t device_bytes);
@@ -79,6 +85,7 @@ class AttendLauncher {
   int device_;
   int num_sms_;
   int variant_ = 3;
+  int ablate_ = 0;
   int stages_ = 3;
   // Pinned staging (host) and the workspace (device): the upload region first,
   // then device-only scratch (query fragments, partials).

@@ -185,6 +185,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.g = g;
   a.hq = b.num_q_heads;
   a.scale_log2 = b.scale * 1.4426950408889634f;
+  a.ablate = ablate_;
   a.qfrag = reinterpret_cast<uint32_t*>(dev + off_qfrag);
   a.qmeta = reinterpret_cast<float*>(dev + off_qmeta);
   a.qexact = reinterpret_cast<float*>(dev + off_qexact);

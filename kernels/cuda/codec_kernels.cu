@@ -133,34 +133,34 @@ __device__ void QuantizeRowWarp(const float* yrow, int group, float tau, uint8_t
 #pragma unroll
   for (int i = 0; i < E; ++i) y[i] = fminf(fmaxf(yrow[lane + 32 * i], -tau), tau);
 
-  // Group min / max. Element lane + 32 i lies in group (lane + 32 i) / G.
+  // Group min / max. Element lane + 32 i lies in group (lane + 32 i) / G:
+  // elements i and i' of a lane share a group when G > 32 and i / per ==
+  // i' / per, so those are combined in the lane first (element i % per == 0
+  // carries the group), then across the lanes of a group segment.
   float mn[E], mx[E];
 #pragma unroll
   for (int i = 0; i < E; ++i) mn[i] = mx[i] = y[i];
-  const int seg = group < 32 ? group : 32;
-  for (int off = seg / 2; off >= 1; off >>= 1) {
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      mn[i] = fminf(mn[i], __shfl_xor_sync(0xffffffffu, mn[i], off));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
-    }
-  }
-  // Elements i and i' of a lane share a group when G > 32 and i / per == i' / per.
   const int per = group > 32 ? group / 32 : 1;
   if (per > 1) {
 #pragma unroll
     for (int i = 0; i < E; ++i) {
       if (i % per != 0) continue;
-      float a = mn[i], b = mx[i];
 #pragma unroll
       for (int j = 1; j < E; ++j) {
         if (j < per && i + j < E) {
-          a = fminf(a, mn[i + j]);
-          b = fmaxf(b, mx[i + j]);
+          mn[i] = fminf(mn[i], mn[i + j]);
+          mx[i] = fmaxf(mx[i], mx[i + j]);
         }
       }
-      mn[i] = a;
-      mx[i] = b;
+    }
+  }
+  const int seg = group < 32 ? group : 32;
+  for (int off = seg / 2; off >= 1; off >>= 1) {
+#pragma unroll
+    for (int i = 0; i < E; ++i) {
+      if (i % per != 0) continue;
+      mn[i] = fminf(mn[i], __shfl_xor_sync(0xffffffffu, mn[i], off));
+      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
     }
   }
 

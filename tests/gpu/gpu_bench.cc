@@ -13,8 +13,10 @@
 // next to the same two figures of SDPA.
 //
 //   oscarkv_gpu_bench [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]
-//                     [--variant N]   (split-kernel variant, see AttendLauncher::set_variant;
-//                                      default: all five, one table row each)
+//                     [--variant N[,N...]]  (split-kernel variants, see AttendLauncher::set_variant;
+//                                            default: all, one table row each)
+//                     [--ablate BITS]  (time parts of the history loop in place, results wrong:
+//                                       see AttendLauncher::set_ablate)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -143,12 +145,14 @@ int Main(int argc, char** argv) {
   std::string baseline_path, json_path, only;
   int iters = 200;
   std::vector<int> only_variants;  // empty: all
+  int ablate = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--baseline" && i + 1 < argc) baseline_path = argv[++i];
     else if (a == "--json" && i + 1 < argc) json_path = argv[++i];
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
+    else if (a == "--ablate" && i + 1 < argc) ablate = std::atoi(argv[++i]);
     else if (a == "--variant" && i + 1 < argc) {
       // One variant or a comma-separated list.
       for (const char* p = argv[++i]; *p != '\0';) {
@@ -159,7 +163,7 @@ int Main(int argc, char** argv) {
       }
     }
     else {
-      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072] [--variant N[,N...]]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072] [--variant N[,N...]] [--ablate BITS]\n", argv[0]);
       return 2;
     }
   }
@@ -316,6 +320,7 @@ int Main(int argc, char** argv) {
       auto l = AttendLauncher::Create(0);
       CKS(l.status());
       (*l)->set_variant(variant);
+      (*l)->set_ablate(ablate);
       CKS((*l)->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
       launchers.push_back(std::move(l).value());
     }
