@@ -126,6 +126,15 @@ class Backend {
   // One-line description (device name, memory), for logs and GetServerInfo.
   virtual std::string description() const = 0;
 
+  // Bytes Allocate() could still take now: available host memory (CPU), free
+  // memory of the device (CUDA). What a fractional --pool_size is taken of;
+  // a snapshot, other processes may take or free memory right after.
+  // UNIMPLEMENTED for a backend that cannot tell.
+  virtual absl::StatusOr<size_t> AvailableBytes() const {
+    return absl::UnimplementedError(
+        "backend " + name() + " cannot report its available memory; give the pool size in bytes");
+  }
+
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
   virtual absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;

@@ -37,7 +37,8 @@ ABSL_FLAG(int, compute_threads, 0,
 ABSL_FLAG(int, cuda_device, 0, "CUDA device index for --backend=cuda|auto");
 ABSL_FLAG(std::string, pool_size, "1GiB",
           "memory pool allocated once at start: bytes with a unit (512MiB, 8GiB) or a "
-          "fraction in (0,1) of available host memory");
+          "fraction in (0,1) of the backend's available memory (free GPU memory for cuda, "
+          "available host memory for cpu)");
 ABSL_FLAG(double, exact_fraction, 0.25,
           "share of the pool reserved for BF16 sink/recent blocks (the rest holds INT2 pages)");
 ABSL_FLAG(int, sink_tokens, 64, "S0: leading tokens kept exactly in BF16");
@@ -50,7 +51,13 @@ ABSL_FLAG(std::vector<std::string>, model, {"qwen3-8b:36:32:8:128"},
           "models to serve, comma-separated name:layers:q_heads:kv_heads:head_dim; each uses "
           "the data-free Hadamard rotation unless --calibration names it");
 ABSL_FLAG(std::vector<std::string>, calibration, {},
-          "calibration files, comma-separated model=path (oscarkv safetensors files)");
+          "calibration files, comma-separated model=path (oscarkv safetensors files); read "
+          "at start from any path");
+ABSL_FLAG(std::string, calibration_dir, "",
+          "directory LoadCalibration may read calibration files from by path (relative paths "
+          "are taken relative to it; files that resolve outside it through .. or symlinks are "
+          "refused); empty: LoadCalibration by path is refused, clients send the file's bytes "
+          "as content");
 ABSL_FLAG(std::string, eviction, "lru",
           "when the pool is full: lru (evict least-recently-used unpinned sequences) or "
           "refuse (RESOURCE_EXHAUSTED)");
@@ -124,9 +131,10 @@ int main(int argc, char** argv) {
   o.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   o.compute_threads = absl::GetFlag(FLAGS_compute_threads);
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
-  absl::StatusOr<size_t> pool = oscarkv::ParsePoolSize(absl::GetFlag(FLAGS_pool_size));
+  absl::StatusOr<oscarkv::PoolSize> pool = oscarkv::ParsePoolSize(absl::GetFlag(FLAGS_pool_size));
   if (!pool.ok()) return Fail(std::string(pool.status().message()));
-  o.pool_bytes = *pool;
+  o.pool_bytes = pool->bytes;
+  o.pool_fraction = pool->fraction;
   o.exact_fraction = absl::GetFlag(FLAGS_exact_fraction);
   o.tiers.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
   o.tiers.recent_window = absl::GetFlag(FLAGS_recent_window);
@@ -136,6 +144,7 @@ int main(int argc, char** argv) {
   o.clip_v = static_cast<float>(absl::GetFlag(FLAGS_clip_v));
   o.models = absl::GetFlag(FLAGS_model);
   o.calibrations = absl::GetFlag(FLAGS_calibration);
+  o.calibration_dir = absl::GetFlag(FLAGS_calibration_dir);
   const std::string eviction = absl::GetFlag(FLAGS_eviction);
   if (eviction == "lru") {
     o.eviction = oscarkv::EvictionPolicy::kLru;
@@ -171,12 +180,17 @@ int main(int argc, char** argv) {
                                   " data-free default", ")"));
   }
   std::fprintf(stderr,
-               "oscarkv-server: listening on port %d (%s), backend %s, pool %.1f MiB, "
-               "eviction %s\n  models: %s\n  metrics: %s\n",
+               "oscarkv-server: listening on port %d (%s), backend %s, pool %.1f MiB%s, "
+               "eviction %s\n  models: %s\n  LoadCalibration by path: %s\n  metrics: %s\n",
                (*server)->port(), o.listen_address.c_str(),
                (*server)->backend().description().c_str(),
-               double((*server)->pool().total_bytes()) / (1 << 20), eviction.c_str(),
-               absl::StrJoin(models, "; ").c_str(),
+               double((*server)->pool().total_bytes()) / (1 << 20),
+               (*server)->pool_size_note().empty()
+                   ? ""
+                   : absl::StrCat(" (", (*server)->pool_size_note(), ")").c_str(),
+               eviction.c_str(), absl::StrJoin(models, "; ").c_str(),
+               o.calibration_dir.empty() ? "off (--calibration_dir)"
+                                         : absl::StrCat("files in ", o.calibration_dir).c_str(),
                metrics_listen.empty()
                    ? "off"
                    : absl::StrCat("http://", metrics_listen, "/metrics (port ",

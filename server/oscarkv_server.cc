@@ -1,7 +1,5 @@
 #include "server/oscarkv_server.h"
 
-#include <unistd.h>
-
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
@@ -15,6 +13,7 @@
 #include "grpcpp/server_builder.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/status_macros.h"
+#include "server/service/calibration_path.h"
 #ifdef OSCARKV_HAVE_CUDA
 #include "kernels/cuda/cuda_backend.h"
 #endif
@@ -41,7 +40,7 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, 
       absl::StrCat("unknown backend '", kind, "' (expected auto, cpu or cuda)"));
 }
 
-absl::StatusOr<size_t> ParsePoolSize(const std::string& text) {
+absl::StatusOr<PoolSize> ParsePoolSize(const std::string& text) {
   std::string t = text;
   t.erase(std::remove_if(t.begin(), t.end(), ::isspace), t.end());
   size_t split = 0;
@@ -71,14 +70,38 @@ absl::StatusOr<size_t> ParsePoolSize(const std::string& text) {
     return absl::InvalidArgumentError(absl::StrCat("pool size '", text, "': unknown unit '",
                                                    unit, "' (use B, KiB, MiB, GiB, TiB)"));
   }
+  PoolSize size;
   if (unit.empty() && value < 1.0) {
-    const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
-    if (pages <= 0 || page <= 0) {
-      return absl::FailedPreconditionError("cannot read the available memory");
-    }
-    return static_cast<size_t>(value * double(pages) * double(page));
+    size.fraction = value;  // of the backend's memory, known once it exists
+  } else {
+    size.bytes = static_cast<size_t>(value * mult);
   }
-  return static_cast<size_t>(value * mult);
+  return size;
+}
+
+absl::StatusOr<size_t> ResolvePoolBytes(const ServerOptions& options, const Backend& backend,
+                                        std::string* note) {
+  if (note != nullptr) note->clear();
+  const double fraction = options.pool_fraction;
+  if (fraction == 0) return options.pool_bytes;
+  if (!(fraction > 0 && fraction < 1)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("pool fraction ", fraction, " must be in (0, 1) of available memory"));
+  }
+  const std::string memory = backend.name() == "cpu"
+                                 ? "available host memory"
+                                 : absl::StrCat("free ", backend.name(), " device memory");
+  absl::StatusOr<size_t> available = backend.AvailableBytes();
+  if (!available.ok()) {
+    return absl::Status(available.status().code(),
+                        absl::StrCat("pool size ", fraction, " of ", memory, ": ",
+                                     available.status().message()));
+  }
+  const size_t bytes = static_cast<size_t>(fraction * double(*available));
+  if (note != nullptr) {
+    *note = absl::StrCat(fraction, " of ", *available >> 20, " MiB ", memory);
+  }
+  return bytes;
 }
 
 absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
@@ -88,6 +111,13 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   OSCARKV_ASSIGN_OR_RETURN(s->backend_,
                            CreateBackend(options.backend, options.cpu_threads, options.cuda_device));
   OSCARKV_RETURN_IF_ERROR(ValidateTiers(options.tiers));
+  // After the backend: a fraction is of its memory (the GPU's for CUDA).
+  OSCARKV_ASSIGN_OR_RETURN(const size_t pool_bytes,
+                           ResolvePoolBytes(options, *s->backend_, &s->pool_size_note_));
+  std::string calibration_dir;
+  if (!options.calibration_dir.empty()) {
+    OSCARKV_ASSIGN_OR_RETURN(calibration_dir, RealCalibrationDir(options.calibration_dir));
+  }
   if (options.models.empty()) return absl::InvalidArgumentError("no model to serve (--model)");
 
   // Calibration files by model name.
@@ -135,7 +165,7 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   }
 
   PoolOptions pool_options;
-  pool_options.total_bytes = options.pool_bytes;
+  pool_options.total_bytes = pool_bytes;
   pool_options.exact_fraction = options.exact_fraction;
   pool_options.page_bytes = page_bytes;
   pool_options.block_bytes = block_bytes;
@@ -170,6 +200,7 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   s->executor_ = std::make_unique<ComputeExecutor>(options.compute_threads);
   ctx.executor = s->executor_.get();
   ctx.calibration_reader = std::move(calibration_reader);
+  ctx.calibration_dir = std::move(calibration_dir);
   ctx.tiers = options.tiers;
   ctx.group_size = options.group_size;
   ctx.clip_k = options.clip_k;

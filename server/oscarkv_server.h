@@ -32,7 +32,11 @@ struct ServerOptions {
   // threads (0: one per hardware thread).
   int compute_threads = 0;
   int cuda_device = 0;
+  // The one pool allocated at start: pool_fraction of the backend's available
+  // memory (Backend::AvailableBytes: host memory for CPU, free device memory
+  // for CUDA) when pool_fraction > 0, else pool_bytes.
   size_t pool_bytes = size_t{256} << 20;
+  double pool_fraction = 0;  // 0 or in (0, 1)
   double exact_fraction = 0.25;  // pool share of BF16 sink/recent blocks
   TierConfig tiers;
   int group_size = 0;  // 0: G = D
@@ -41,8 +45,14 @@ struct ServerOptions {
   // name:layers:q_heads:kv_heads:head_dim, registered with the Hadamard rotation
   // unless a calibration below names the model.
   std::vector<std::string> models = {"qwen3-8b:36:32:8:128"};
-  // model=path: oscarkv calibration files (needs a calibration reader).
+  // model=path: oscarkv calibration files (needs a calibration reader). Given
+  // by the operator, so read from any path.
   std::vector<std::string> calibrations;
+  // LoadCalibration by path reads only regular files that resolve (symlinks
+  // and `..` followed) inside this existing directory; relative paths are
+  // taken relative to it. Empty: path loading is refused (PERMISSION_DENIED),
+  // clients send the file's bytes as `content` instead.
+  std::string calibration_dir;
   EvictionPolicy eviction = EvictionPolicy::kLru;
   int64_t max_message_bytes = 64 << 20;
   std::string version = "0.1.0";
@@ -71,6 +81,9 @@ class OscarkvServer {
   ModelRegistry& models() { return models_; }
   Backend& backend() { return *backend_; }
   PagePool& pool() { return *pool_; }
+  // How a fractional pool size was resolved, e.g. "0.5 of 61.2 GiB available
+  // host memory"; empty when the pool size was given in bytes.
+  const std::string& pool_size_note() const { return pool_size_note_; }
   ServerMetrics* metrics() { return metrics_.get(); }
 
  private:
@@ -88,6 +101,7 @@ class OscarkvServer {
   std::unique_ptr<ComputeExecutor> executor_;
   std::unique_ptr<KvCacheService> service_;
   std::unique_ptr<grpc::Server> server_;
+  std::string pool_size_note_;
   int port_ = 0;
   bool shut_down_ = false;
 };
@@ -96,9 +110,24 @@ class OscarkvServer {
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, int cpu_threads,
                                                        int cuda_device);
 
+// A --pool_size value: bytes, or a share of the backend's available memory.
+struct PoolSize {
+  size_t bytes = 0;     // when fraction == 0
+  double fraction = 0;  // in (0, 1); resolved by ResolvePoolBytes once the backend exists
+};
+
 // Parses "1073741824", "512MiB", "2GiB", "1.5G" (bytes), or a fraction in (0, 1)
-// of the available host memory (CPU backend).
-absl::StatusOr<size_t> ParsePoolSize(const std::string& text);
+// such as "0.5" (of the backend's available memory). INVALID_ARGUMENT naming
+// the text otherwise.
+absl::StatusOr<PoolSize> ParsePoolSize(const std::string& text);
+
+// The pool size Start allocates: options.pool_fraction of
+// backend.AvailableBytes() when set, else options.pool_bytes. `note` (may be
+// null) gets which memory the fraction was taken of ("" for bytes).
+// INVALID_ARGUMENT for a fraction outside (0, 1); the backend's error when it
+// cannot report its memory.
+absl::StatusOr<size_t> ResolvePoolBytes(const ServerOptions& options, const Backend& backend,
+                                        std::string* note);
 
 }  // namespace oscarkv
 

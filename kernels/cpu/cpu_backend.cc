@@ -1,5 +1,7 @@
 #include "kernels/cpu/cpu_backend.h"
 
+#include <unistd.h>
+
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -53,6 +55,14 @@ CpuBackend::CpuBackend(int threads) {
 
 std::string CpuBackend::description() const {
   return absl::StrCat("cpu (", pool_->threads(), " threads)");
+}
+
+absl::StatusOr<size_t> CpuBackend::AvailableBytes() const {
+  const long pages = sysconf(_SC_AVPHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+  if (pages <= 0 || page <= 0) {
+    return absl::FailedPreconditionError("cannot read the available host memory (sysconf)");
+  }
+  return size_t(pages) * size_t(page);
 }
 
 absl::StatusOr<DeviceBuffer> CpuBackend::Allocate(size_t bytes) {

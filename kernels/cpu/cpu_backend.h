@@ -19,6 +19,8 @@ class CpuBackend final : public Backend {
   std::string name() const override { return "cpu"; }
   std::string description() const override;
 
+  // Available host memory (sysconf _SC_AVPHYS_PAGES x page size).
+  absl::StatusOr<size_t> AvailableBytes() const override;
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override;
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override;

@@ -75,6 +75,14 @@ class CudaBackend final : public Backend {
   std::string name() const override { return "cuda"; }
   std::string description() const override { return description_; }
 
+  // Free memory of this device (cudaMemGetInfo), not of the host.
+  absl::StatusOr<size_t> AvailableBytes() const override {
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    size_t free_bytes = 0, total_bytes = 0;
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemGetInfo(&free_bytes, &total_bytes));
+    return free_bytes;
+  }
+
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override {
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     void* p = nullptr;

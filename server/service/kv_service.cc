@@ -4,6 +4,7 @@
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
+#include "server/service/calibration_path.h"
 #include "server/service/convert.h"
 
 namespace oscarkv {
@@ -150,9 +151,13 @@ absl::Status KvCacheService::DoLoadCalibration(const v1::LoadCalibrationRequest&
             "this server was built without the calibration file reader; use hadamard_layout");
       }
       const bool is_path = request.source_case() == v1::LoadCalibrationRequest::kPath;
+      std::string path;
+      if (is_path) {
+        OSCARKV_ASSIGN_OR_RETURN(path,
+                                 ResolveCalibrationPath(ctx_.calibration_dir, request.path()));
+      }
       OSCARKV_ASSIGN_OR_RETURN(
-          rotation, ctx_.calibration_reader(is_path ? request.path() : request.content(), is_path,
-                                          nullptr));
+          rotation, ctx_.calibration_reader(is_path ? path : request.content(), is_path, nullptr));
       break;
     }
     default:

@@ -38,6 +38,9 @@ struct ServiceContext {
   // gRPC's callback threads.
   ComputeExecutor* executor = nullptr;
   CalibrationReader calibration_reader;
+  // Real path of --calibration_dir: LoadCalibration(path) reads only files
+  // inside it (calibration_path.h). Empty: path loading is refused.
+  std::string calibration_dir;
   TierConfig tiers;             // for models registered through LoadCalibration
   int group_size = 0;           // 0: G = D
   float clip_k = 0.96f;         // Hadamard defaults

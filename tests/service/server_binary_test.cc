@@ -177,6 +177,26 @@ TEST(ServerBinary, ServesHealthReflectionRpcsAndMetricsThenExitsOnSigterm) {
   EXPECT_THAT(child.ReadRest(), HasSubstr("stopped"));
 }
 
+TEST(ServerBinary, FractionalPoolSizeSaysWhichMemoryItIsOf) {
+  ChildServer child({"--listen=127.0.0.1:0", "--metrics_listen=", "--backend=cpu",
+                     "--pool_size=0.001", "--model=tiny:2:8:2:64"});
+  ASSERT_GT(child.pid(), 0);
+  const std::string banner = child.ReadBanner();
+  EXPECT_THAT(banner, HasSubstr("(0.001 of "));
+  EXPECT_THAT(banner, HasSubstr("MiB available host memory)"));
+  EXPECT_THAT(banner, HasSubstr("LoadCalibration by path: off (--calibration_dir)"));
+  EXPECT_EQ(child.Terminate(), 0);
+}
+
+TEST(ServerBinary, BadPoolSizeExitsNamingIt) {
+  ChildServer child({"--listen=127.0.0.1:0", "--metrics_listen=", "--pool_size=0.5x"});
+  ASSERT_GT(child.pid(), 0);
+  EXPECT_THAT(child.ReadRest(), HasSubstr("pool size '0.5x': unknown unit 'x'"));
+  int status = 0;
+  waitpid(child.pid(), &status, 0);
+  EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+}
+
 TEST(ServerBinary, BadFlagsExitWithAClearMessage) {
   ChildServer child({"--listen=127.0.0.1:0", "--metrics_listen=", "--eviction=sometimes"});
   ASSERT_GT(child.pid(), 0);

@@ -42,7 +42,9 @@ class Calibrated : public ::testing::TestWithParam<bool> {};
 
 TEST_P(Calibrated, LoadCalibrationEncodesWithTheFileAndAttendMatchesReference) {
   const bool per_head = GetParam();
-  TestServer ts;
+  ServerOptions options = TinyServerOptions();
+  options.calibration_dir = ::testing::TempDir();  // where UniqueTempPath writes
+  TestServer ts(options);
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
   const ModelRotation rot = RandomRotation(layout, per_head, 42);

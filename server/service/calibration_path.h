@@ -1,0 +1,33 @@
+// Where LoadCalibration(path) may read from. A client names a file on the
+// server's filesystem, so path loading is off unless the operator names a
+// directory (--calibration_dir); then only regular files that resolve inside
+// it, after following every symlink and `..`, are read. The --calibration
+// startup flag is the operator's own and is not limited.
+//
+// Thread-safety: stateless functions (they read the filesystem).
+#ifndef OSCARKV_SERVER_SERVICE_CALIBRATION_PATH_H_
+#define OSCARKV_SERVER_SERVICE_CALIBRATION_PATH_H_
+
+#include <string>
+
+#include "absl/status/statusor.h"
+
+namespace oscarkv {
+
+// The real (absolute, symlink-free) path of the existing directory `dir`.
+// INVALID_ARGUMENT naming `dir` when it is missing or not a directory.
+absl::StatusOr<std::string> RealCalibrationDir(const std::string& dir);
+
+// The real path of the client's `path`: absolute, or relative to `real_dir`
+// (from RealCalibrationDir). Errors, each naming `path`:
+//   PERMISSION_DENIED  `real_dir` empty (path loading disabled: the message
+//                      says to start with --calibration_dir or send content),
+//                      or `path` resolves outside `real_dir`;
+//   NOT_FOUND          no such file inside `real_dir`;
+//   INVALID_ARGUMENT   empty, or not a regular file.
+absl::StatusOr<std::string> ResolveCalibrationPath(const std::string& real_dir,
+                                                   const std::string& path);
+
+}  // namespace oscarkv
+
+#endif  // OSCARKV_SERVER_SERVICE_CALIBRATION_PATH_H_

@@ -1,0 +1,110 @@
+// --pool_size: bytes with a unit, or a fraction of the backend's available
+// memory (host memory for CPU, free device memory for CUDA) resolved once the
+// backend exists; bad values are refused naming the value.
+#include <unistd.h>
+
+#include <string>
+
+#include "gmock/gmock.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "service_fixture.h"
+
+namespace oscarkv::testing {
+namespace {
+
+using ::testing::HasSubstr;
+
+size_t PhysicalHostBytes() {
+  return size_t(sysconf(_SC_PHYS_PAGES)) * size_t(sysconf(_SC_PAGESIZE));
+}
+
+TEST(PoolSize, BytesWithUnitsParseToBytes) {
+  auto mib = ParsePoolSize("512MiB");
+  ASSERT_TRUE(mib.ok()) << mib.status();
+  EXPECT_EQ(mib->bytes, size_t{512} << 20);
+  EXPECT_EQ(mib->fraction, 0);
+  auto plain = ParsePoolSize("1073741824");
+  ASSERT_TRUE(plain.ok());
+  EXPECT_EQ(plain->bytes, size_t{1} << 30);
+  auto g = ParsePoolSize("1.5G");
+  ASSERT_TRUE(g.ok());
+  EXPECT_EQ(g->bytes, size_t{3} << 29);
+}
+
+TEST(PoolSize, FractionIsKeptForTheBackendToResolve) {
+  auto half = ParsePoolSize("0.5");
+  ASSERT_TRUE(half.ok()) << half.status();
+  EXPECT_EQ(half->fraction, 0.5);
+  EXPECT_EQ(half->bytes, 0u);
+}
+
+TEST(PoolSize, BadValuesAreInvalidArgumentNamingTheValue) {
+  for (const std::string bad : {"0", "-0.5", "abc", "", "0.0"}) {
+    auto p = ParsePoolSize(bad);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(p.status().message()), HasSubstr("'" + bad + "'")) << bad;
+  }
+  auto unit = ParsePoolSize("0.5x");
+  EXPECT_EQ(unit.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(unit.status().message()), HasSubstr("unknown unit 'x'"));
+}
+
+TEST(PoolSize, FractionOnCpuIsOfAvailableHostMemory) {
+  CpuBackend cpu(1);
+  ServerOptions o;
+  o.pool_fraction = 0.5;
+  std::string note;
+  auto bytes = ResolvePoolBytes(o, cpu, &note);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  auto available = cpu.AvailableBytes();
+  ASSERT_TRUE(available.ok()) << available.status();
+  EXPECT_GT(*bytes, 0u);
+  EXPECT_LE(*bytes, *available);  // half of it a moment ago
+  EXPECT_LE(*available, PhysicalHostBytes());
+  EXPECT_THAT(note, HasSubstr("0.5 of "));
+  EXPECT_THAT(note, HasSubstr("available host memory"));
+}
+
+TEST(PoolSize, BytesAreUsedAsGivenWithoutANote) {
+  CpuBackend cpu(1);
+  ServerOptions o;
+  o.pool_bytes = size_t{3} << 20;
+  std::string note = "stale";
+  auto bytes = ResolvePoolBytes(o, cpu, &note);
+  ASSERT_TRUE(bytes.ok());
+  EXPECT_EQ(*bytes, size_t{3} << 20);
+  EXPECT_EQ(note, "");
+}
+
+TEST(PoolSize, FractionOutsideZeroOneIsInvalidArgument) {
+  CpuBackend cpu(1);
+  ServerOptions o;
+  for (double bad : {1.5, 1.0, -0.25}) {
+    o.pool_fraction = bad;
+    auto bytes = ResolvePoolBytes(o, cpu, nullptr);
+    EXPECT_EQ(bytes.status().code(), absl::StatusCode::kInvalidArgument) << bad;
+    EXPECT_THAT(std::string(bytes.status().message()), HasSubstr("must be in (0, 1)"));
+  }
+}
+
+TEST(PoolSize, ServerSizesItsPoolFromTheBackendsMemory) {
+  ServerOptions o = TinyServerOptions();
+  o.pool_fraction = 0.001;
+  TestServer ts(o);
+  ASSERT_NE(ts.server, nullptr);
+  const Backend& backend = ts.server->backend();
+  EXPECT_GT(ts.server->pool().total_bytes(), 0u);
+  EXPECT_THAT(ts.server->pool_size_note(), HasSubstr("0.001 of "));
+  if (backend.name() == "cpu") {
+    EXPECT_LE(ts.server->pool().total_bytes(), PhysicalHostBytes() / 1000);
+    EXPECT_THAT(ts.server->pool_size_note(), HasSubstr("available host memory"));
+  } else {
+    EXPECT_THAT(ts.server->pool_size_note(), HasSubstr("device memory"));
+  }
+  auto info = ts.client->Info();
+  ASSERT_TRUE(info.ok()) << info.status();
+  EXPECT_EQ(size_t(info->pool().total_bytes()), ts.server->pool().total_bytes());
+}
+
+}  // namespace
+}  // namespace oscarkv::testing
