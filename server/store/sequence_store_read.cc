@@ -3,6 +3,7 @@
 // and the registration-time backend probe. See sequence_store.h.
 #include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -137,9 +138,22 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
       const LayerCache& cache = seq.layers_[t.layer];
       cache.AttendRefs(*pool_, &refs[i].exact, &refs[i].pages);
       t.tokens = cache.tokens();
-      return backend_->CopyToDevice(base + offset[i], t.q,
-                                    size_t(m.layout.num_q_heads) * m.layout.head_dim * 4);
+      return absl::OkStatus();
     }();
+  }
+  // The queries of all items in one upload (one device round trip per call,
+  // not one per item), and below, all outputs in one download.
+  std::vector<float> host(floats);
+  for (size_t i = 0; i < tasks.size(); ++i) {
+    if (!tasks[i].status.ok()) continue;
+    const ModelLayout& l = (*tasks[i].seq)->model().layout;
+    std::copy_n(tasks[i].q, size_t(l.num_q_heads) * l.head_dim, host.data() + offset[i]);
+  }
+  if (const absl::Status up = backend_->CopyToDevice(base, host.data(), floats * sizeof(float));
+      !up.ok()) {
+    for (AttendTask& t : tasks) {
+      if (t.status.ok()) t.status = up;
+    }
   }
 
   // One backend batch per model, over the items still OK.
@@ -174,14 +188,23 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     batch.items = items.data();
     batch.num_items = static_cast<int>(items.size());
     const absl::Status s = backend_->Attend(batch);
-    for (size_t i : which) {
+    for (size_t i : which) tasks[i].status = s;
+  }
+  bool any_ok = false;
+  for (const AttendTask& t : tasks) any_ok = any_ok || t.status.ok();
+  if (any_ok) {
+    const absl::Status down = backend_->CopyToHost(host.data(), base, floats * sizeof(float));
+    for (size_t i = 0; i < tasks.size(); ++i) {
       AttendTask& t = tasks[i];
-      t.status = s;
-      if (t.status.ok()) t.status = backend_->CopyToHost(t.out, base + offset[i] + qf, qf * 4);
-      if (t.status.ok() && t.lse) {
-        t.status = backend_->CopyToHost(t.lse, base + offset[i] + 2 * qf,
-                                        size_t(m->layout.num_q_heads) * 4);
+      if (!t.status.ok()) continue;
+      if (!down.ok()) {
+        t.status = down;
+        continue;
       }
+      const ModelLayout& l = (*t.seq)->model().layout;
+      const size_t qf = size_t(l.num_q_heads) * l.head_dim;
+      std::copy_n(host.data() + offset[i] + qf, qf, t.out);
+      if (t.lse) std::copy_n(host.data() + offset[i] + 2 * qf, size_t(l.num_q_heads), t.lse);
     }
   }
   locks.clear();
