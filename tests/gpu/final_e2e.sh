@@ -4,7 +4,7 @@
 # layers of a Qwen3-8B-shaped model; reports the RPC latency of fused
 # Append+Attend next to the server's own attention compute time (its
 # oscarkv_attention_compute_seconds histogram). Logs under OUT (arg 1).
-#   tests/gpu/final_e2e.sh OUT [BUNDLE_DIR=.gpu] [TOKENS=131072]
+#   [POOL=16GiB or a fraction of free GPU memory] tests/gpu/final_e2e.sh OUT [BUNDLE_DIR=.gpu] [TOKENS=131072]
 set -uo pipefail
 out=${1:?usage: final_e2e.sh OUT [BUNDLE] [TOKENS]}
 bundle=${2:-.gpu}
@@ -13,7 +13,7 @@ mkdir -p "$out"
 export LD_LIBRARY_PATH=$PWD/$bundle/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 bin=$PWD/$bundle/bin
 "$bin/oscarkv-server" --listen=127.0.0.1:50161 --metrics_listen=127.0.0.1:9571 \
-  --backend=cuda --pool_size=16GiB > "$out/e2e_server.log" 2>&1 &
+  --backend=cuda --pool_size="${POOL:-16GiB}" > "$out/e2e_server.log" 2>&1 &
 pid=$!
 for _ in $(seq 1 60); do
   "$bin/oscarkv" info --server=127.0.0.1:50161 --timeout=1 > "$out/e2e_info.txt" 2>&1 && break
