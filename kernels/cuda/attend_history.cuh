@@ -137,10 +137,14 @@ struct HistoryWarp {
     Accumulate(x, lg);
   }
 
-  // Benchmarks only (wrong results): `ablate` bit 1 skips q·K (logits from
-  // the raw K params), bit 2 skips the softmax and P·V (the logits are only
-  // summed), so the time of each half can be measured in place.
-  __device__ __forceinline__ void ProcessAblated(const Regs& x, int ablate) {
+  // Process, or for benchmarks only (wrong results, ablate != 0): bit 1 skips
+  // q·K (logits from the raw K params), bit 2 skips the softmax and P·V (the
+  // logits are only summed), so the time of each part can be measured in place.
+  __device__ __forceinline__ void Process(const Regs& x, int ablate) {
+    if (ablate == 0) {
+      Process(x);
+      return;
+    }
     float lg[2][4];
     if (ablate & 1) {
 #pragma unroll
@@ -162,7 +166,6 @@ struct HistoryWarp {
       Accumulate(x, lg);
     }
   }
-
 
   // Logits (base 2) of tokens {r, r+8} of each 16-token tile, heads hh0 + (j & 1),
   // from the K half of a chunk. No state is touched.

@@ -180,25 +180,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         hw.InitQuery(a, wu.item, wu.kv_head, lane);
         int it = 0;
         if constexpr (kPrefetch) {
-          if (a.ablate != 0) {  // benchmarks only: see HistoryWarp::ProcessAblated
-            const bool loads = !(a.ablate & 4);  // bit 4: no loads past the first two chunks
-            while (true) {
-              hw.ProcessAblated(ra, a.ablate);
-              if (++it >= iters) break;
-              if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), chunk_of(it + 1) % cpp);
-              hw.ProcessAblated(rb, a.ablate);
-              if (++it >= iters) break;
-              if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
-            }
-          } else {
+          // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in service.
+          const int ablate = a.ablate;
+          const bool loads = !(ablate & 4);
           while (true) {
-            hw.Process(ra);
+            hw.Process(ra, ablate);
             if (++it >= iters) break;
-            if (it + 1 < iters) hw.Load(ra, page_of(it + 1), chunk_of(it + 1) % cpp);
-            hw.Process(rb);
+            if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), chunk_of(it + 1) % cpp);
+            hw.Process(rb, ablate);
             if (++it >= iters) break;
-            if (it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
-          }
+            if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
           }
         } else {
           while (true) {
