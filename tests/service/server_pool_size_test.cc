@@ -89,6 +89,7 @@ TEST(PoolSize, FractionOutsideZeroOneIsInvalidArgument) {
 
 TEST(PoolSize, ServerSizesItsPoolFromTheBackendsMemory) {
   ServerOptions o = TinyServerOptions();
+  o.tiers = TierConfig{32, 64, 32};  // pages of 32 tokens: the CUDA backend serves them too
   o.pool_fraction = 0.001;
   TestServer ts(o);
   ASSERT_NE(ts.server, nullptr);
