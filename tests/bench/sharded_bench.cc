@@ -6,6 +6,11 @@
 //
 //   sharded_bench [--servers=1,2] [--backend=cpu|cuda] [--gpus=1] [--threads=1]
 //                 [--sequences=8] [--tokens=8192] [--layers=4] [--rounds=10]
+//                 [--connect=HOST:PORT,HOST:PORT...]
+// With --connect, the servers are separate processes (e.g. one
+// `oscarkv-server --backend=cuda` per GPU under CUDA_VISIBLE_DEVICES, started
+// with --model=bench:LAYERS:32:8:128): each N uses the first N addresses, and
+// the sequences are dropped after each N.
 #include <algorithm>
 #include <chrono>
 #include <cstdio>
@@ -16,6 +21,7 @@
 #include <string>
 #include <vector>
 
+#include "absl/strings/str_split.h"
 #include "client/sharded_client.h"
 #include "kernels/numeric.h"
 #include "server/oscarkv_server.h"
@@ -25,6 +31,7 @@ namespace {
 
 struct Args {
   std::vector<int> servers = {1, 2};
+  std::vector<std::string> connect;  // external servers (empty: in-process)
   std::string backend = "cpu";
   int gpus = 1, threads = 1, sequences = 8, tokens = 8192, layers = 4, rounds = 10;
 };
@@ -53,7 +60,8 @@ absl::StatusOr<Figures> RunWith(const Args& a, int n) {
   std::vector<std::unique_ptr<OscarkvServer>> servers;
   std::vector<std::string> targets;
   const size_t bytes_per_seq = size_t(a.layers) * a.tokens * 8 * 128 * 2 * 2;
-  for (int i = 0; i < n; ++i) {
+  for (int i = 0; i < n && !a.connect.empty(); ++i) targets.push_back(a.connect[i]);
+  for (int i = 0; i < n && a.connect.empty(); ++i) {
     ServerOptions o;
     o.backend = a.backend;
     o.cpu_threads = a.threads;
@@ -113,6 +121,12 @@ absl::StatusOr<Figures> RunWith(const Args& a, int n) {
   std::sort(lat.begin(), lat.end());
   f.attend_p50_ms = lat[lat.size() / 2] * 1e3;
   f.attend_p99_ms = lat[std::min(lat.size() - 1, lat.size() * 99 / 100)] * 1e3;
+  if (!a.connect.empty()) {
+    for (int i = 0; i < a.sequences; ++i) {
+      auto d = client.Drop("seq-" + std::to_string(i));
+      if (!d.ok()) return d.status();
+    }
+  }
   for (auto& s : servers) s->Shutdown(std::chrono::system_clock::now());
   return f;
 }
@@ -146,12 +160,15 @@ int main(int argc, char** argv) {
     else if (const char* p = val("--tokens=")) a.tokens = std::atoi(p);
     else if (const char* p = val("--layers=")) a.layers = std::atoi(p);
     else if (const char* p = val("--rounds=")) a.rounds = std::atoi(p);
+    else if (const char* p = val("--connect=")) a.connect = absl::StrSplit(p, ',');
     else {
       std::fprintf(stderr,
                    "usage: %s [--servers=1,2] [--backend=cpu|cuda] [--gpus=1] [--threads=1] "
-                   "[--sequences=8] [--tokens=8192] [--layers=4] [--rounds=10]\n"
-                   "N servers in this process behind ShardedClient; ingest and Attend "
-                   "throughput for each N, with ratios to the first N.\n",
+                   "[--sequences=8] [--tokens=8192] [--layers=4] [--rounds=10] "
+                   "[--connect=HOST:PORT,...]\n"
+                   "N servers (in this process, or the first N of --connect) behind "
+                   "ShardedClient; ingest and Attend throughput for each N, with ratios to "
+                   "the first N.\n",
                    argv[0]);
       return s == "--help" ? 0 : 2;
     }
@@ -159,6 +176,13 @@ int main(int argc, char** argv) {
   if (a.servers.empty() || a.sequences <= 0 || a.tokens <= 0 || a.layers <= 0 || a.rounds <= 0) {
     std::fprintf(stderr, "sharded_bench: every count must be positive\n");
     return 2;
+  }
+  for (int n : a.servers) {
+    if (n <= 0 || (!a.connect.empty() && n > static_cast<int>(a.connect.size()))) {
+      std::fprintf(stderr, "sharded_bench: %d servers asked for, %zu given with --connect\n", n,
+                   a.connect.size());
+      return 2;
+    }
   }
   std::printf("sharded_bench: backend %s, %d thread(s) per CPU server, %d sequences x %d tokens x "
               "%d layers (32 q / 8 kv heads, D 128), %d Attend rounds of %d items\n",
