@@ -136,6 +136,11 @@ class Backend {
   }
 
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
+  // Copies are ordered with every later call on the backend. When
+  // CopyToDevice returns, `src` may be reused; when CopyToHost returns, `dst`
+  // holds the data. A device-side copy may still be in flight when
+  // CopyToDevice / CopyOnDevice return: its error, if any, is reported by a
+  // later call.
   virtual absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) = 0;

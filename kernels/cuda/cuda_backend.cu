@@ -166,11 +166,28 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Waits for the copy only where the caller needs it: copies to the host,
+  // and copies from pinned host memory (which the DMA reads after the call).
+  // A copy from pageable memory has been staged when cudaMemcpyAsync returns,
+  // and device-to-device copies are ordered with everything later on the
+  // stream, so neither needs a round trip (the fused Append+Attend path makes
+  // several such copies per item).
   absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
     if (bytes == 0) return absl::OkStatus();
     if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("copy with a null pointer");
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, kind, stream_));
+    bool wait = kind == cudaMemcpyDeviceToHost;
+    if (kind == cudaMemcpyHostToDevice) {
+      cudaPointerAttributes attr{};
+      if (cudaPointerGetAttributes(&attr, src) != cudaSuccess) {
+        cudaGetLastError();
+        wait = true;
+      } else {
+        wait = attr.type != cudaMemoryTypeUnregistered;
+      }
+    }
+    if (!wait) return absl::OkStatus();
     return CudaStatus(cudaStreamSynchronize(stream_), "copy");
   }
 
