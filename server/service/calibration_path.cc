@@ -1,8 +1,11 @@
 #include "server/service/calibration_path.h"
 
+#include <fcntl.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 #include <cerrno>
+#include <cstdint>
 #include <climits>
 #include <cstdlib>
 #include <cstring>
@@ -86,6 +89,72 @@ absl::StatusOr<std::string> ResolveCalibrationPath(const std::string& real_dir,
         absl::StrCat("calibration path '", path, "' is not a regular file"));
   }
   return real;
+}
+
+absl::StatusOr<std::string> ReadCalibrationFile(const std::string& real_dir,
+                                                const std::string& path, size_t max_bytes) {
+  std::string real;
+  {
+    absl::StatusOr<std::string> r = ResolveCalibrationPath(real_dir, path);
+    if (!r.ok()) return r.status();
+    real = *std::move(r);
+  }
+  const int fd = ::open(real.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) {
+    const int err = errno;
+    if (err == ENOENT) {
+      return absl::NotFoundError(absl::StrCat("calibration file '", path, "' is gone"));
+    }
+    if (err == ELOOP) {
+      return absl::PermissionDeniedError(
+          absl::StrCat("calibration path '", path, "' became a symlink while it was opened"));
+    }
+    return absl::PermissionDeniedError(
+        absl::StrCat("calibration file '", path, "': ", std::strerror(err)));
+  }
+  struct Closer {
+    int fd;
+    ~Closer() { ::close(fd); }
+  } closer{fd};
+  // What was opened, by the kernel's name for it, not by the path checked.
+  char target[PATH_MAX];
+  const std::string self = absl::StrCat("/proc/self/fd/", fd);
+  const ssize_t n = ::readlink(self.c_str(), target, sizeof(target) - 1);
+  if (n <= 0) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "cannot verify where calibration path '", path, "' leads (", self, ": ",
+        std::strerror(errno), ")"));
+  }
+  target[n] = '\0';
+  if (!IsInside(target, real_dir)) {
+    return absl::PermissionDeniedError(absl::StrCat(
+        "calibration path '", path, "' led outside --calibration_dir ", real_dir,
+        " when it was opened"));
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("calibration path '", path, "' is not a regular file"));
+  }
+  if (static_cast<uint64_t>(st.st_size) > max_bytes) {
+    return absl::InvalidArgumentError(absl::StrCat("calibration file '", path, "' is ",
+                                                   st.st_size, " bytes; at most ", max_bytes,
+                                                   " are read"));
+  }
+  std::string bytes(static_cast<size_t>(st.st_size), '\0');
+  size_t got = 0;
+  while (got < bytes.size()) {
+    const ssize_t r = ::read(fd, bytes.data() + got, bytes.size() - got);
+    if (r < 0 && errno == EINTR) continue;
+    if (r <= 0) {
+      return absl::DataLossError(absl::StrCat("calibration file '", path, "': read ", got, " of ",
+                                              bytes.size(), " bytes",
+                                              r < 0 ? absl::StrCat(": ", std::strerror(errno))
+                                                    : std::string()));
+    }
+    got += static_cast<size_t>(r);
+  }
+  return bytes;
 }
 
 }  // namespace oscarkv

@@ -8,6 +8,7 @@
 #ifndef OSCARKV_SERVER_SERVICE_CALIBRATION_PATH_H_
 #define OSCARKV_SERVER_SERVICE_CALIBRATION_PATH_H_
 
+#include <cstddef>
 #include <string>
 
 #include "absl/status/statusor.h"
@@ -27,6 +28,19 @@ absl::StatusOr<std::string> RealCalibrationDir(const std::string& dir);
 //   INVALID_ARGUMENT   empty, or not a regular file.
 absl::StatusOr<std::string> ResolveCalibrationPath(const std::string& real_dir,
                                                    const std::string& path);
+
+// The bytes of the client's `path`, resolved as above, read through one file
+// descriptor whose target is checked again after it is opened (the kernel's
+// own name for the open file, /proc/self/fd): a path component swapped for a
+// symlink between the check and the open cannot redirect the read outside
+// `real_dir`. Errors as ResolveCalibrationPath, plus PERMISSION_DENIED when
+// the opened file is outside or cannot be verified, INVALID_ARGUMENT when it
+// is larger than `max_bytes`.
+absl::StatusOr<std::string> ReadCalibrationFile(const std::string& real_dir,
+                                                const std::string& path, size_t max_bytes);
+
+// Largest calibration file LoadCalibration reads by path.
+inline constexpr size_t kMaxCalibrationFileBytes = size_t{1} << 30;
 
 }  // namespace oscarkv
 

@@ -150,14 +150,18 @@ absl::Status KvCacheService::DoLoadCalibration(const v1::LoadCalibrationRequest&
         return absl::FailedPreconditionError(
             "this server was built without the calibration file reader; use hadamard_layout");
       }
-      const bool is_path = request.source_case() == v1::LoadCalibrationRequest::kPath;
-      std::string path;
-      if (is_path) {
-        OSCARKV_ASSIGN_OR_RETURN(path,
-                                 ResolveCalibrationPath(ctx_.calibration_dir, request.path()));
+      // A path is read here, through a checked descriptor (calibration_path.h),
+      // and parsed from its bytes like content.
+      std::string bytes;
+      if (request.source_case() == v1::LoadCalibrationRequest::kPath) {
+        OSCARKV_ASSIGN_OR_RETURN(bytes, ReadCalibrationFile(ctx_.calibration_dir, request.path(),
+                                                            kMaxCalibrationFileBytes));
       }
-      OSCARKV_ASSIGN_OR_RETURN(
-          rotation, ctx_.calibration_reader(is_path ? path : request.content(), is_path, nullptr));
+      const std::string& source = request.source_case() == v1::LoadCalibrationRequest::kPath
+                                      ? bytes
+                                      : request.content();
+      OSCARKV_ASSIGN_OR_RETURN(rotation,
+                               ctx_.calibration_reader(source, /*is_path=*/false, nullptr));
       break;
     }
     default:

@@ -9,6 +9,7 @@
 
 #include "gmock/gmock.h"
 #include "kernels/calib/calibration_file.h"
+#include "server/service/calibration_path.h"
 #include "service_fixture.h"
 #include "tests/temp_path.h"
 
@@ -113,6 +114,26 @@ TEST_F(CalibrationDir, MissingFileInsideIsNotFoundAndADirectoryIsInvalidArgument
                "'sub/missing.safetensors' not found in --calibration_dir");
   ExpectStatus(Load(*ts.client, "sub"), absl::StatusCode::kInvalidArgument, "not a regular file");
   ExpectStatus(Load(*ts.client, ""), absl::StatusCode::kInvalidArgument, "empty");
+}
+
+TEST_F(CalibrationDir, FileIsReadThroughOneCheckedDescriptorWithASizeLimit) {
+  auto real_dir = RealCalibrationDir(dir_);
+  ASSERT_TRUE(real_dir.ok()) << real_dir.status();
+  struct stat st;
+  ASSERT_EQ(stat((dir_ + "/sub/tiny.safetensors").c_str(), &st), 0);
+  auto bytes = ReadCalibrationFile(*real_dir, "sub/tiny.safetensors", kMaxCalibrationFileBytes);
+  ASSERT_TRUE(bytes.ok()) << bytes.status();
+  EXPECT_EQ(bytes->size(), static_cast<size_t>(st.st_size));
+  // A symlink inside that stays inside is followed.
+  ASSERT_EQ(symlink((dir_ + "/sub/tiny.safetensors").c_str(), (dir_ + "/escape.safetensors").c_str()),
+            0);
+  auto linked = ReadCalibrationFile(*real_dir, "escape.safetensors", kMaxCalibrationFileBytes);
+  ASSERT_TRUE(linked.ok()) << linked.status();
+  EXPECT_EQ(*linked, *bytes);
+  ExpectStatus(ReadCalibrationFile(*real_dir, "sub/tiny.safetensors", 16).status(),
+               absl::StatusCode::kInvalidArgument, "at most 16 are read");
+  ExpectStatus(ReadCalibrationFile("", "sub/tiny.safetensors", 16).status(),
+               absl::StatusCode::kPermissionDenied, "--calibration_dir");
 }
 
 TEST_F(CalibrationDir, MissingDirectoryFailsStartNamingIt) {
