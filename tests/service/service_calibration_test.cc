@@ -83,7 +83,7 @@ TEST_P(Calibrated, LoadCalibrationEncodesWithTheFileAndAttendMatchesReference) {
   EXPECT_EQ(fetched->layers[1].num_matrices, per_head ? 2 : 1);
   EXPECT_EQ(fetched->layers[1].r_k, rot.layers[1].r_k);
   std::vector<double> kref, vref;
-  DequantizedLayer(fetched->layers[1], layout, 64, 8, &kref, &vref);
+  DequantizedLayer(fetched->layers[1], layout, 64, TinyTiers().page_tokens, &kref, &vref);
   auto local = LocalAttention::Create(std::move(*fetched), 1);
   ASSERT_TRUE(local.ok()) << local.status();
 

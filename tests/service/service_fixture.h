@@ -37,6 +37,15 @@ inline std::string TestBackend() {
 // kernels sum in another order.
 inline double BackendTolerance() { return TestBackend() == "cpu" ? 1e-6 : 2e-5; }
 
+// Tiers of the tiny model: 8-token pages, except where the backend needs
+// pages of 32 tokens (the CUDA attention kernels) or $OSCARKV_TEST_PAGE_TOKENS
+// asks for them (to run the CUDA tiers on the CPU backend).
+inline TierConfig TinyTiers() {
+  const char* p = std::getenv("OSCARKV_TEST_PAGE_TOKENS");
+  const int page = p && *p ? std::atoi(p) : (TestBackend() == "cpu" ? 8 : 32);
+  return page == 8 ? TierConfig{8, 16, 8} : TierConfig{8, page, page};
+}
+
 inline ServerOptions TinyServerOptions(size_t pool_bytes = size_t{8} << 20) {
   ServerOptions o;
   o.listen_address = "127.0.0.1:0";
@@ -44,7 +53,7 @@ inline ServerOptions TinyServerOptions(size_t pool_bytes = size_t{8} << 20) {
   o.cpu_threads = 2;
   o.pool_bytes = pool_bytes;
   o.exact_fraction = 0.5;
-  o.tiers = TierConfig{8, 16, 8};
+  o.tiers = TinyTiers();
   o.models = {"tiny:2:8:2:64"};
   o.max_message_bytes = 4 << 20;
   return o;
