@@ -150,7 +150,9 @@ struct HistoryWarp {
 #pragma unroll
       for (int tau = 0; tau < 2; ++tau)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) lg[tau][e] = __uint_as_float(x.kp[2 * tau + (e >> 1)][0] & 0x3f7fffffu);
+        for (int e = 0; e < 4; ++e) {
+          lg[tau][e] = __uint_as_float(x.kp[2 * tau + (e >> 1)][0] & 0x3f7fffffu);
+        }
     } else {
       Logits(x, lg);
     }
