@@ -4,6 +4,17 @@
 #include <cmath>
 #include <functional>
 
+#if defined(__AVX512F__)
+// GCC 12's AVX-512 intrinsics pass an undefined vector as the unused merge
+// operand and then warn about it (fixed in GCC 13); the warnings point into
+// the header, so they are silenced for the header only.
+#pragma GCC diagnostic push
+#pragma GCC diagnostic ignored "-Wuninitialized"
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#include <immintrin.h>
+#pragma GCC diagnostic pop
+#endif
+
 namespace oscarkv {
 
 int ClipRank(float ratio, int n) {
@@ -24,11 +35,83 @@ inline void SortDescending(float* a, int n) {
     a[j] = v;
   }
 }
+
+#if defined(__AVX512F__)
+// Max over the 16 lanes (in every lane), by shuffles (GCC's
+// _mm512_reduce_max_ps trips -Wuninitialized in its own header).
+inline float HorizontalMax(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(x);
+}
+
+inline float HorizontalMin(__m512 x) {
+  x = _mm512_min_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_min_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = _mm512_min_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = _mm512_min_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+  return _mm512_cvtss_f32(x);
+}
+
+// The m-th largest, counting repeats, of the nv vectors v (non-negative
+// values; padding lanes hold -1). Each round takes the largest value left and
+// how many lanes hold it, so a run of equal values costs one round.
+inline float MthLargest(__m512* v, int nv, int m) {
+  int rank = 0;
+  for (;;) {
+    __m512 x = v[0];
+    for (int i = 1; i < nv; ++i) x = _mm512_max_ps(x, v[i]);
+    const float mx = HorizontalMax(x);
+    const __m512 vm = _mm512_set1_ps(mx);
+    for (int i = 0; i < nv; ++i) {
+      const __mmask16 eq = _mm512_cmp_ps_mask(v[i], vm, _CMP_EQ_OQ);
+      rank += __builtin_popcount(eq);
+      v[i] = _mm512_mask_mov_ps(v[i], eq, _mm512_set1_ps(-1.0f));
+    }
+    if (rank >= m) return mx;
+  }
+}
+
+// ClipThreshold's usual case (m <= 16, n a multiple of 16) without branches
+// on the data: the lane maxima's m-th largest L bounds the answer from below,
+// the elements >= L are compressed into a few vectors, and the answer is
+// their m-th largest.
+inline float TopMthAbs(const float* y, int n, int m) {
+  const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
+  __m512 lane_max = _mm512_and_ps(_mm512_loadu_ps(y), sign);
+  for (int i = 16; i < n; i += 16) {
+    lane_max = _mm512_max_ps(lane_max, _mm512_and_ps(_mm512_loadu_ps(y + i), sign));
+  }
+  __m512 lm[1] = {lane_max};
+  const __m512 bound = _mm512_set1_ps(MthLargest(lm, 1, m));
+  alignas(64) float cand[256 + 16];
+  int c = 0;
+  for (int i = 0; i < n; i += 16) {
+    const __m512 a = _mm512_and_ps(_mm512_loadu_ps(y + i), sign);
+    const __mmask16 keep = _mm512_cmp_ps_mask(a, bound, _CMP_GE_OQ);
+    _mm512_mask_compressstoreu_ps(cand + c, keep, a);
+    c += __builtin_popcount(keep);
+  }
+  __m512 v[256 / 16];
+  const int nv = (c + 15) / 16;
+  for (int i = 0; i < nv; ++i) {
+    const int left = c - 16 * i;
+    const __mmask16 valid = left >= 16 ? __mmask16(0xffff) : __mmask16((1u << left) - 1);
+    v[i] = _mm512_mask_loadu_ps(_mm512_set1_ps(-1.0f), valid, cand + 16 * i);
+  }
+  return MthLargest(v, nv, m);
+}
+#endif
 }  // namespace
 
 float ClipThreshold(const float* y, int n, float ratio, float* scratch) {
   const int k = ClipRank(ratio, n);  // 1-based rank from the bottom
   const int m = n - k + 1;           // the same element's rank from the top
+#if defined(__AVX512F__)
+  if (m <= 16 && n % 16 == 0 && n <= 256) return TopMthAbs(y, n, m);
+#endif
   if (m <= 16 && n % 16 == 0) {
     // The usual case (c = 0.9..1). The 16 per-lane maxima are a subset of the
     // row, so their m-th largest L is a lower bound of the row's m-th largest;
@@ -59,7 +142,55 @@ void ClipRow(float* y, int n, float ratio, float* scratch) {
   for (int i = 0; i < n; ++i) y[i] = std::min(std::max(y[i], -tau), tau);
 }
 
+#if defined(__AVX512F__)
+namespace {
+// QuantizeRow for groups of a multiple of 16 and dim a multiple of 64: the
+// same arithmetic 16 lanes at a time, so the same codes and parameters (a
+// group whose minimum is a signed zero may store the other zero).
+void QuantizeRowAvx512(const float* y, int dim, int group, uint8_t* codes, QuantParams* params) {
+  alignas(64) int32_t q[256];
+  for (int g0 = 0, gi = 0; g0 < dim; g0 += group, ++gi) {
+    __m512 vlo = _mm512_loadu_ps(y + g0), vhi = vlo;
+    for (int j = g0 + 16; j < g0 + group; j += 16) {
+      const __m512 x = _mm512_loadu_ps(y + j);
+      vlo = _mm512_min_ps(vlo, x);
+      vhi = _mm512_max_ps(vhi, x);
+    }
+    const float lo = HorizontalMin(vlo);
+    const float hi = HorizontalMax(vhi);
+    const float s = std::max(hi - lo, kMinRange) / 3.0f;
+    const fp16_bits s_h = FloatToFp16(s);
+    const fp16_bits lo_h = FloatToFp16(lo);
+    params[gi] = QuantParams{s_h, lo_h};
+    const __m512 loq = _mm512_set1_ps(Fp16ToFloat(lo_h));
+    const float sq = Fp16ToFloat(s_h);
+    const __m512 inv = _mm512_set1_ps(sq > 0.0f ? 1.0f / sq : 0.0f);
+    const __m512 three = _mm512_set1_ps(3.0f);
+    for (int j = g0; j < g0 + group; j += 16) {
+      __m512 c = _mm512_mul_ps(_mm512_sub_ps(_mm512_loadu_ps(y + j), loq), inv);
+      c = _mm512_roundscale_ps(c, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+      c = _mm512_min_ps(_mm512_max_ps(c, _mm512_setzero_ps()), three);
+      _mm512_store_si512(q + j, _mm512_cvtps_epi32(c));
+    }
+  }
+  const int quarter = dim / 4;
+  for (int j = 0; j < quarter; j += 16) {
+    __m512i b = _mm512_load_si512(q + j);
+    b = _mm512_or_si512(b, _mm512_slli_epi32(_mm512_load_si512(q + j + quarter), 2));
+    b = _mm512_or_si512(b, _mm512_slli_epi32(_mm512_load_si512(q + j + 2 * quarter), 4));
+    b = _mm512_or_si512(b, _mm512_slli_epi32(_mm512_load_si512(q + j + 3 * quarter), 6));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + j), _mm512_cvtepi32_epi8(b));
+  }
+}
+}  // namespace
+#endif
+
 void QuantizeRow(const float* y, int dim, int group, uint8_t* codes, QuantParams* params) {
+#if defined(__AVX512F__)
+  if (group % 16 == 0 && dim % 64 == 0 && dim <= 256) {
+    return QuantizeRowAvx512(y, dim, group, codes, params);
+  }
+#endif
   const int quarter = dim / 4;
   uint8_t q[256];
   for (int g0 = 0, gi = 0; g0 < dim; g0 += group, ++gi) {
