@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <functional>
+#include <limits>
 
 #if defined(__AVX512F__)
 // GCC 12's AVX-512 intrinsics pass an undefined vector as the unused merge
@@ -65,12 +66,16 @@ inline float MthLargest(__m512* v, int nv, int m) {
     for (int i = 1; i < nv; ++i) x = _mm512_max_ps(x, v[i]);
     const float mx = HorizontalMax(x);
     const __m512 vm = _mm512_set1_ps(mx);
+    int found = 0;
     for (int i = 0; i < nv; ++i) {
       const __mmask16 eq = _mm512_cmp_ps_mask(v[i], vm, _CMP_EQ_OQ);
-      rank += __builtin_popcount(eq);
+      found += __builtin_popcount(eq);
       v[i] = _mm512_mask_mov_ps(v[i], eq, _mm512_set1_ps(-1.0f));
     }
-    if (rank >= m) return mx;
+    rank += found;
+    // found == 0 only for a NaN (a row that overflowed in the rotation): stop
+    // rather than loop; the caller gets NaN, as the scalar path would give.
+    if (rank >= m || found == 0) return mx;
   }
 }
 
@@ -94,6 +99,8 @@ inline float TopMthAbs(const float* y, int n, int m) {
     _mm512_mask_compressstoreu_ps(cand + c, keep, a);
     c += __builtin_popcount(keep);
   }
+  // At least m elements reach the bound unless the row holds a NaN.
+  if (c < m) return std::numeric_limits<float>::quiet_NaN();
   __m512 v[256 / 16];
   const int nv = (c + 15) / 16;
   for (int i = 0; i < nv; ++i) {

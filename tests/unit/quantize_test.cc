@@ -204,6 +204,20 @@ namespace oscarkv {
 namespace {
 
 // The fast selection path must agree with a full sort for every ratio and shape.
+TEST(Clip, ThresholdReturnsForRowsWithNaN) {
+  // Validated ingest never has one, but a rotation can overflow; the
+  // selection must still end (its answer is then not meaningful).
+  std::vector<float> scratch(256);
+  for (int pos : {0, 5, 77, 127}) {
+    std::vector<float> y = testing::RandomFloats(128, 11, 2.0f);
+    y[pos] = std::numeric_limits<float>::quiet_NaN();
+    (void)ClipThreshold(y.data(), 128, 0.92f, scratch.data());
+    for (int i = 0; i < 128; i += 3) y[i] = std::numeric_limits<float>::quiet_NaN();
+    (void)ClipThreshold(y.data(), 128, 0.96f, scratch.data());
+  }
+  SUCCEED();
+}
+
 TEST(Clip, ThresholdMatchesFullSortForAllRatios) {
   for (int d : {64, 128, 256}) {
     for (int trial = 0; trial < 30; ++trial) {
