@@ -342,8 +342,16 @@ void AttendCompressedKvHead(const PageGeometry& geom, int num_q_heads, float sca
         for (int j = 0; j < d; ++j) y[j] += qa * ra[j];
       }
     }
+    const size_t head_bytes = geom.head_stride();  // K and V codes and params of head h
     for (int p = 0; p < item.num_pages; ++p) {
       const uint8_t* page = item.pages[p];
+      // The pages are scattered in the pool: ask for the next page's bytes of
+      // this head while this one is computed (its first rows otherwise stall
+      // on memory).
+      if (p + 1 < item.num_pages) {
+        const uint8_t* next = item.pages[p + 1] + geom.codes_offset(h, 0);
+        for (size_t b = 0; b < head_bytes; b += 64) __builtin_prefetch(next + b);
+      }
       const uint8_t* kc = page + geom.codes_offset(h, 0);
       const auto* kp = reinterpret_cast<const QuantParams*>(page + geom.params_offset(h, 0));
       const uint8_t* vc = page + geom.codes_offset(h, 1);
