@@ -179,7 +179,9 @@ class KvClient {
   // The layout of a registered model (from Info()).
   absl::StatusOr<ModelLayout> ModelLayoutOf(const std::string& model);
 
-  // ---- async (gRPC callback API; the future is ready when the call ends)
+  // ---- async: each runs the blocking call of the same name on its own
+  // thread; the future is ready when the call ends. The client, and any k / v
+  // / q buffers passed, must stay valid until then.
   std::future<absl::StatusOr<v1::SequenceInfo>> StatAsync(const std::string& sequence_id);
   std::future<absl::StatusOr<int64_t>> DropAsync(const std::string& sequence_id);
   std::future<absl::StatusOr<v1::ServerInfo>> InfoAsync();
