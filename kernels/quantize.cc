@@ -38,23 +38,21 @@ inline void SortDescending(float* a, int n) {
 }
 
 #if defined(__AVX512F__)
-// Max over the 16 lanes (in every lane), by shuffles (GCC's
+// Max (kMax) or min over the 16 lanes, by shuffles (GCC's
 // _mm512_reduce_max_ps trips -Wuninitialized in its own header).
-inline float HorizontalMax(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_max_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_max_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
+template <bool kMax>
+inline float HorizontalExtreme(__m512 x) {
+  const auto op = [](__m512 a, __m512 b) {
+    return kMax ? _mm512_max_ps(a, b) : _mm512_min_ps(a, b);
+  };
+  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = op(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
+  x = op(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
+  x = op(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
   return _mm512_cvtss_f32(x);
 }
-
-inline float HorizontalMin(__m512 x) {
-  x = _mm512_min_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_min_ps(x, _mm512_shuffle_f32x4(x, x, _MM_SHUFFLE(2, 3, 0, 1)));
-  x = _mm512_min_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(1, 0, 3, 2)));
-  x = _mm512_min_ps(x, _mm512_permute_ps(x, _MM_SHUFFLE(2, 3, 0, 1)));
-  return _mm512_cvtss_f32(x);
-}
+inline float HorizontalMax(__m512 x) { return HorizontalExtreme<true>(x); }
+inline float HorizontalMin(__m512 x) { return HorizontalExtreme<false>(x); }
 
 // The m-th largest, counting repeats, of the nv vectors v (non-negative
 // values; padding lanes hold -1). Each round takes the largest value left and
