@@ -255,39 +255,56 @@ void LayerCache::AttendRefs(const PagePool& pool, std::vector<ExactBlockRef>* ex
   for (SlotId id : pages_) pages->push_back(pool.page(id));
 }
 
+namespace {
+
+// Copies n token rows of an exact block (K half, then V half) to host k and v.
+absl::Status CopyBlockRows(Backend& backend, const PageGeometry& geom, const bf16_bits* block,
+                           int64_t n, bf16_bits* k, bf16_bits* v) {
+  const size_t row = geom.exact_row_elems();
+  const size_t bytes = size_t(n) * row * sizeof(bf16_bits);
+  OSCARKV_RETURN_IF_ERROR(backend.CopyToHost(k, block, bytes));
+  return backend.CopyToHost(v, block + size_t(geom.page_tokens) * row, bytes);
+}
+
+}  // namespace
+
+absl::Status LayerCache::CopyExactTier(ExactTier tier, const PagePool& pool, Backend& backend,
+                                       bf16_bits* k, bf16_bits* v) const {
+  const TierCounts tc = counts();
+  const int64_t total = tier == ExactTier::kSink ? tc.sink : tc.recent;
+  const size_t row = geom_.exact_row_elems();
+  int64_t pos = 0;
+  auto copy = [&](SlotId b) -> absl::Status {
+    const int64_t n = std::min<int64_t>(total - pos, geom_.page_tokens);
+    if (n <= 0) return absl::OkStatus();
+    OSCARKV_RETURN_IF_ERROR(
+        CopyBlockRows(backend, geom_, pool.block(b), n, k + pos * row, v + pos * row));
+    pos += n;
+    return absl::OkStatus();
+  };
+  if (tier == ExactTier::kSink) {
+    for (SlotId b : sink_blocks_) OSCARKV_RETURN_IF_ERROR(copy(b));
+  } else {
+    for (SlotId b : recent_blocks_) OSCARKV_RETURN_IF_ERROR(copy(b));
+  }
+  return absl::OkStatus();
+}
+
 absl::Status LayerCache::ReadBf16(const LayerCodec& codec, const PagePool& pool,
                                   Backend& backend, bf16_bits* scratch, bf16_bits* k,
                                   bf16_bits* v) const {
   const TierCounts tc = counts();
   const int p = geom_.page_tokens;
   const size_t row = geom_.exact_row_elems();
-  int64_t pos = 0;
-  // Copies n rows of block `src` (K and V halves) to host token position pos.
-  auto copy_rows = [&](const bf16_bits* src, int64_t n) -> absl::Status {
-    const size_t bytes = size_t(n) * row * sizeof(bf16_bits);
-    OSCARKV_RETURN_IF_ERROR(backend.CopyToHost(k + pos * row, src, bytes));
-    OSCARKV_RETURN_IF_ERROR(backend.CopyToHost(v + pos * row, src + size_t(p) * row, bytes));
-    pos += n;
-    return absl::OkStatus();
-  };
-  int64_t left = tc.sink;
-  for (SlotId b : sink_blocks_) {
-    const int64_t n = std::min<int64_t>(left, p);
-    OSCARKV_RETURN_IF_ERROR(copy_rows(pool.block(b), n));
-    left -= n;
-  }
+  OSCARKV_RETURN_IF_ERROR(CopyExactTier(ExactTier::kSink, pool, backend, k, v));
+  int64_t pos = tc.sink;
   for (SlotId id : pages_) {
     DecodeJob job{pool.page(id), scratch, codec.rotation};
     OSCARKV_RETURN_IF_ERROR(backend.DecodePages(geom_, &job, 1));
-    OSCARKV_RETURN_IF_ERROR(copy_rows(scratch, p));
+    OSCARKV_RETURN_IF_ERROR(CopyBlockRows(backend, geom_, scratch, p, k + pos * row, v + pos * row));
+    pos += p;
   }
-  left = tc.recent;
-  for (SlotId b : recent_blocks_) {
-    const int64_t n = std::min<int64_t>(left, p);
-    OSCARKV_RETURN_IF_ERROR(copy_rows(pool.block(b), n));
-    left -= n;
-  }
-  return absl::OkStatus();
+  return CopyExactTier(ExactTier::kRecent, pool, backend, k + pos * row, v + pos * row);
 }
 
 AppendPlan PlanLayers(const std::vector<const LayerCache*>& layers, int64_t n) {

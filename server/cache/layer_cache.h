@@ -88,6 +88,12 @@ class LayerCache {
   absl::Status ReadBf16(const LayerCodec& codec, const PagePool& pool, Backend& backend,
                         bf16_bits* scratch, bf16_bits* k, bf16_bits* v) const;
 
+  // Copies the rows of one BF16 tier (counts().sink or counts().recent
+  // tokens) to host k and v, [n][H][D] each.
+  enum class ExactTier { kSink, kRecent };
+  absl::Status CopyExactTier(ExactTier tier, const PagePool& pool, Backend& backend, bf16_bits* k,
+                             bf16_bits* v) const;
+
   const std::vector<SlotId>& history_pages() const { return pages_; }
   const std::vector<SlotId>& sink_blocks() const { return sink_blocks_; }
   const std::deque<SlotId>& recent_blocks() const { return recent_blocks_; }

@@ -325,10 +325,7 @@ absl::StatusOr<Reservation> SequenceStore::ReserveWithEviction(int pages, int bl
 absl::Status SequenceStore::AppendLocked(Sequence& seq, int layer, int64_t start, int64_t n,
                                          const void* k, size_t k_bytes, const void* v,
                                          size_t v_bytes) {
-  if (seq.broken_) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("sequence '", seq.id(), "' is unusable after a backend error; drop it"));
-  }
+  OSCARKV_RETURN_IF_ERROR(seq.Usable());
   const ModelEntry& m = seq.model();
   const int num_layers = m.layout.num_layers;
   if (layer < -1 || layer >= num_layers) {

@@ -27,6 +27,7 @@
 
 #include "absl/base/thread_annotations.h"
 #include "absl/status/statusor.h"
+#include "absl/strings/str_cat.h"
 #include "kernels/backend.h"
 #include "server/cache/layer_cache.h"
 #include "server/cache/page_pool.h"
@@ -98,6 +99,12 @@ class Sequence {
  private:
   friend class SequenceStore;
   friend class IngestSession;
+  // FAILED_PRECONDITION when a backend error left a layer unusable.
+  absl::Status Usable() const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    if (!broken_) return absl::OkStatus();
+    return absl::FailedPreconditionError(
+        absl::StrCat("sequence '", id_, "' is unusable after a backend error; drop it"));
+  }
   const std::string id_;
   const std::shared_ptr<const ModelEntry> model_;
   const bool pinned_;

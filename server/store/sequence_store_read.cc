@@ -12,6 +12,19 @@
 
 namespace oscarkv {
 
+namespace {
+
+// INVALID_ARGUMENT unless 0 <= layer < the model's layers.
+absl::Status CheckLayer(const ModelEntry& m, int layer) {
+  if (layer < 0 || layer >= m.layout.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", m.layout.num_layers, ")"));
+  }
+  return absl::OkStatus();
+}
+
+}  // namespace
+
 absl::StatusOr<DeviceBuffer> SequenceStore::TakeStaging(size_t bytes) {
   {
     std::lock_guard<std::mutex> lock(staging_mu_);
@@ -97,10 +110,7 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     Sequence& seq = **t.seq;
     const ModelEntry& m = seq.model();
     t.status = [&]() -> absl::Status {
-      if (t.layer < 0 || t.layer >= m.layout.num_layers) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", t.layer, " out of range [0, ",
-                                                       m.layout.num_layers, ")"));
-      }
+      OSCARKV_RETURN_IF_ERROR(CheckLayer(m, t.layer));
       // Before any append: a bad query must leave the sequence unchanged, and the
       // CUDA kernels do not check their inputs.
       OSCARKV_RETURN_IF_ERROR(
@@ -131,10 +141,7 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     Sequence& seq = **t.seq;
     const ModelEntry& m = seq.model();
     t.status = [&]() -> absl::Status {
-      if (seq.broken_) {
-        return absl::FailedPreconditionError(absl::StrCat(
-            "sequence '", seq.id(), "' is unusable after a backend error; drop it"));
-      }
+      OSCARKV_RETURN_IF_ERROR(seq.Usable());
       const LayerCache& cache = seq.layers_[t.layer];
       cache.AttendRefs(*pool_, &refs[i].exact, &refs[i].pages);
       t.tokens = cache.tokens();
@@ -214,42 +221,21 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
 
 absl::Status SequenceStore::ReadCompressed(SequenceHandle& seq, int layer, CompressedLayer* out) {
   const ModelEntry& m = seq->model();
-  if (layer < 0 || layer >= m.layout.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " out of range [0, ", m.layout.num_layers, ")"));
-  }
+  OSCARKV_RETURN_IF_ERROR(CheckLayer(m, layer));
   std::lock_guard<std::mutex> lock(seq->mu_);
-  if (seq->broken_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence '", seq->id(), "' is unusable after a backend error; drop it"));
-  }
+  OSCARKV_RETURN_IF_ERROR(seq->Usable());
   const LayerCache& cache = seq->layers_[layer];
-  const int p = m.geom.page_tokens;
   const size_t row = m.geom.exact_row_elems();
   out->tokens = cache.tokens();
   out->counts = cache.counts();
-  // Copies `total` leading rows of the given blocks into k/v host vectors.
-  auto copy_blocks = [&](auto& blocks, int64_t total, std::vector<bf16_bits>* k,
-                         std::vector<bf16_bits>* v) -> absl::Status {
-    k->resize(size_t(total) * row);
-    v->resize(size_t(total) * row);
-    int64_t pos = 0;
-    for (SlotId b : blocks) {
-      const int64_t n = std::min<int64_t>(total - pos, p);
-      if (n <= 0) break;
-      const bf16_bits* src = pool_->block(b);
-      const size_t bytes = size_t(n) * row * sizeof(bf16_bits);
-      OSCARKV_RETURN_IF_ERROR(backend_->CopyToHost(k->data() + pos * row, src, bytes));
-      OSCARKV_RETURN_IF_ERROR(
-          backend_->CopyToHost(v->data() + pos * row, src + size_t(p) * row, bytes));
-      pos += n;
-    }
-    return absl::OkStatus();
-  };
-  OSCARKV_RETURN_IF_ERROR(copy_blocks(cache.sink_blocks(), out->counts.sink, &out->sink_k,
-                                      &out->sink_v));
-  OSCARKV_RETURN_IF_ERROR(copy_blocks(cache.recent_blocks(), out->counts.recent,
-                                      &out->recent_k, &out->recent_v));
+  out->sink_k.resize(size_t(out->counts.sink) * row);
+  out->sink_v.resize(size_t(out->counts.sink) * row);
+  out->recent_k.resize(size_t(out->counts.recent) * row);
+  out->recent_v.resize(size_t(out->counts.recent) * row);
+  OSCARKV_RETURN_IF_ERROR(cache.CopyExactTier(LayerCache::ExactTier::kSink, *pool_, *backend_,
+                                              out->sink_k.data(), out->sink_v.data()));
+  OSCARKV_RETURN_IF_ERROR(cache.CopyExactTier(LayerCache::ExactTier::kRecent, *pool_, *backend_,
+                                              out->recent_k.data(), out->recent_v.data()));
   const size_t page_bytes = m.geom.page_bytes();
   out->pages.resize(cache.history_pages().size() * page_bytes);
   for (size_t i = 0; i < cache.history_pages().size(); ++i) {
@@ -262,15 +248,9 @@ absl::Status SequenceStore::ReadCompressed(SequenceHandle& seq, int layer, Compr
 absl::Status SequenceStore::ReadBf16(SequenceHandle& seq, int layer, std::vector<bf16_bits>* k,
                                      std::vector<bf16_bits>* v, int64_t* tokens) {
   const ModelEntry& m = seq->model();
-  if (layer < 0 || layer >= m.layout.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " out of range [0, ", m.layout.num_layers, ")"));
-  }
+  OSCARKV_RETURN_IF_ERROR(CheckLayer(m, layer));
   std::lock_guard<std::mutex> lock(seq->mu_);
-  if (seq->broken_) {
-    return absl::FailedPreconditionError(absl::StrCat(
-        "sequence '", seq->id(), "' is unusable after a backend error; drop it"));
-  }
+  OSCARKV_RETURN_IF_ERROR(seq->Usable());
   const LayerCache& cache = seq->layers_[layer];
   // Decode scratch from the staging cache, not the pool: a read must neither
   // evict another sequence nor fail because the pool is full.
