@@ -301,7 +301,8 @@ absl::Status LayerCache::ReadBf16(const LayerCodec& codec, const PagePool& pool,
   for (SlotId id : pages_) {
     DecodeJob job{pool.page(id), scratch, codec.rotation};
     OSCARKV_RETURN_IF_ERROR(backend.DecodePages(geom_, &job, 1));
-    OSCARKV_RETURN_IF_ERROR(CopyBlockRows(backend, geom_, scratch, p, k + pos * row, v + pos * row));
+    OSCARKV_RETURN_IF_ERROR(
+        CopyBlockRows(backend, geom_, scratch, p, k + pos * row, v + pos * row));
     pos += p;
   }
   return CopyExactTier(ExactTier::kRecent, pool, backend, k + pos * row, v + pos * row);

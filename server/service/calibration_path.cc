@@ -13,6 +13,7 @@
 
 #include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
+#include "kernels/status_macros.h"
 
 namespace oscarkv {
 namespace {
@@ -31,22 +32,7 @@ bool IsInside(const std::string& path, const std::string& dir) {
   return path == dir || absl::StartsWith(path, dir + "/");
 }
 
-}  // namespace
-
-absl::StatusOr<std::string> RealCalibrationDir(const std::string& dir) {
-  std::string real;
-  if (!RealPath(dir, &real)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--calibration_dir '", dir, "': ", std::strerror(errno)));
-  }
-  struct stat st;
-  if (::stat(real.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("--calibration_dir '", dir, "' is not a directory"));
-  }
-  return real;
-}
-
+// The real path of `path` (see ReadCalibrationFile), inside `real_dir`.
 absl::StatusOr<std::string> ResolveCalibrationPath(const std::string& real_dir,
                                                    const std::string& path) {
   if (real_dir.empty()) {
@@ -83,23 +69,30 @@ absl::StatusOr<std::string> ResolveCalibrationPath(const std::string& real_dir,
         absl::StrCat("calibration path '", path, "' resolves outside --calibration_dir ", real_dir,
                      " (through `..` or a symlink); only files inside it can be loaded"));
   }
-  struct stat st;
-  if (::stat(real.c_str(), &st) != 0 || !S_ISREG(st.st_mode)) {
+  return real;
+}
+
+}  // namespace
+
+absl::StatusOr<std::string> RealCalibrationDir(const std::string& dir) {
+  std::string real;
+  if (!RealPath(dir, &real)) {
     return absl::InvalidArgumentError(
-        absl::StrCat("calibration path '", path, "' is not a regular file"));
+        absl::StrCat("--calibration_dir '", dir, "': ", std::strerror(errno)));
+  }
+  struct stat st;
+  if (::stat(real.c_str(), &st) != 0 || !S_ISDIR(st.st_mode)) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("--calibration_dir '", dir, "' is not a directory"));
   }
   return real;
 }
 
 absl::StatusOr<std::string> ReadCalibrationFile(const std::string& real_dir,
                                                 const std::string& path, size_t max_bytes) {
-  std::string real;
-  {
-    absl::StatusOr<std::string> r = ResolveCalibrationPath(real_dir, path);
-    if (!r.ok()) return r.status();
-    real = *std::move(r);
-  }
-  const int fd = ::open(real.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC);
+  OSCARKV_ASSIGN_OR_RETURN(const std::string real, ResolveCalibrationPath(real_dir, path));
+  // O_NONBLOCK: a FIFO must not block the open; fstat below refuses it.
+  const int fd = ::open(real.c_str(), O_RDONLY | O_NOFOLLOW | O_CLOEXEC | O_NONBLOCK);
   if (fd < 0) {
     const int err = errno;
     if (err == ENOENT) {

@@ -19,23 +19,19 @@ namespace oscarkv {
 // INVALID_ARGUMENT naming `dir` when it is missing or not a directory.
 absl::StatusOr<std::string> RealCalibrationDir(const std::string& dir);
 
-// The real path of the client's `path`: absolute, or relative to `real_dir`
-// (from RealCalibrationDir). Errors, each naming `path`:
+// The bytes of the client's `path`: absolute, or relative to `real_dir`
+// (from RealCalibrationDir). The path is resolved (every `..` and symlink) and
+// must lead inside `real_dir`; the file is then read through one descriptor
+// whose target is checked again after it is opened (the kernel's own name for
+// the open file, /proc/self/fd), so a path component swapped for a symlink
+// between the check and the open cannot redirect the read. Errors, each
+// naming `path`:
 //   PERMISSION_DENIED  `real_dir` empty (path loading disabled: the message
 //                      says to start with --calibration_dir or send content),
-//                      or `path` resolves outside `real_dir`;
+//                      or `path` leads outside `real_dir`, or the opened file
+//                      cannot be verified;
 //   NOT_FOUND          no such file inside `real_dir`;
-//   INVALID_ARGUMENT   empty, or not a regular file.
-absl::StatusOr<std::string> ResolveCalibrationPath(const std::string& real_dir,
-                                                   const std::string& path);
-
-// The bytes of the client's `path`, resolved as above, read through one file
-// descriptor whose target is checked again after it is opened (the kernel's
-// own name for the open file, /proc/self/fd): a path component swapped for a
-// symlink between the check and the open cannot redirect the read outside
-// `real_dir`. Errors as ResolveCalibrationPath, plus PERMISSION_DENIED when
-// the opened file is outside or cannot be verified, INVALID_ARGUMENT when it
-// is larger than `max_bytes`.
+//   INVALID_ARGUMENT   empty, not a regular file, or larger than `max_bytes`.
 absl::StatusOr<std::string> ReadCalibrationFile(const std::string& real_dir,
                                                 const std::string& path, size_t max_bytes);
 
