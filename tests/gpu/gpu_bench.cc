@@ -62,6 +62,19 @@ double Median(std::vector<double> v) {
   return v.empty() ? 0.0 : v[v.size() / 2];
 }
 
+// Median of the intervals between event pairs (ev[2i], ev[2i+1]), in
+// microseconds; destroys the events.
+double MedianElapsedUs(std::vector<cudaEvent_t>& ev) {
+  std::vector<double> t(ev.size() / 2);
+  for (size_t i = 0; i < t.size(); ++i) {
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
+    t[i] = ms * 1000.0;
+  }
+  for (auto& e : ev) CK(cudaEventDestroy(e));
+  return Median(t);
+}
+
 // Median of per-call event timings of fn(i), in microseconds.
 template <typename Fn>
 double TimeEvents(cudaStream_t s, int warmup, int iters, Fn&& fn) {
@@ -74,14 +87,7 @@ double TimeEvents(cudaStream_t s, int warmup, int iters, Fn&& fn) {
     CK(cudaEventRecord(ev[2 * i + 1], s));
   }
   CK(cudaStreamSynchronize(s));
-  std::vector<double> t(iters);
-  for (int i = 0; i < iters; ++i) {
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    t[i] = ms * 1000.0;
-  }
-  for (auto& e : ev) CK(cudaEventDestroy(e));
-  return Median(t);
+  return MedianElapsedUs(ev);
 }
 
 // Median GPU-side time of fn(i), in microseconds: the stream is held by a
@@ -113,14 +119,7 @@ double TimeEventsQueued(cudaStream_t s, int warmup, int iters, Fn&& fn) {
     go.store(1, std::memory_order_release);
     CK(cudaStreamSynchronize(s));
   }
-  std::vector<double> t(iters);
-  for (int i = 0; i < iters; ++i) {
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, ev[2 * i], ev[2 * i + 1]));
-    t[i] = ms * 1000.0;
-  }
-  for (auto& e : ev) CK(cudaEventDestroy(e));
-  return Median(t);
+  return MedianElapsedUs(ev);
 }
 
 // Fast deterministic random BF16 (uniform +-2, every 37th channel x8).
