@@ -104,14 +104,25 @@ struct HistoryWarp {
 
   // The V half (codes and params) of a chunk.
   __device__ __forceinline__ void LoadV(Regs& x, const uint8_t* page, int chunk) const {
-    const uint8_t* vb = page + v_thread + size_t(chunk) * (32 * D / 4);
+    LoadVParams(x.vp, page, chunk);
+    LoadVCodes(x, page, chunk);
+  }
+
+  // The V (scale, min) of a chunk's tokens r, r+8, 16+r, 24+r.
+  __device__ __forceinline__ void LoadVParams(uint32_t (&vp)[4][NG], const uint8_t* page,
+                                              int chunk) const {
     const uint8_t* vpb = page + vp_thread + size_t(chunk) * (32 * NG * 4);
     constexpr int kRowOff[4] = {0, 8, 16, 24};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
 #pragma unroll
-      for (int gi = 0; gi < NG; ++gi) x.vp[i][gi] = Ld32(vpb + (kRowOff[i] * NG + gi) * 4);
+      for (int gi = 0; gi < NG; ++gi) vp[i][gi] = Ld32(vpb + (kRowOff[i] * NG + gi) * 4);
     }
+  }
+
+  // The V codes of a chunk.
+  __device__ __forceinline__ void LoadVCodes(Regs& x, const uint8_t* page, int chunk) const {
+    const uint8_t* vb = page + v_thread + size_t(chunk) * (32 * D / 4);
     constexpr int kTokOff[4] = {0, 1, 8, 9};
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
@@ -282,11 +293,25 @@ struct HistoryWarp {
   // Online softmax, P' and O' += P'V for one chunk, from its logits and the V
   // half of the chunk.
   __device__ __forceinline__ void Accumulate(const Regs& x, const float (&lg)[2][4]) {
-    // Online softmax over the chunk (max over the 32 tokens of each head).
     float cm[2];
+    LaneMax(lg, cm);
+    Rescale(cm);
+    uint32_t pb[C::NT][NG][2][2];
+    Probabilities(x.vp, lg, pb);
+    ValueProduct(x, pb);
+  }
+
+  // This lane's max of each of its two heads over its logits of a chunk.
+  __device__ __forceinline__ static void LaneMax(const float (&lg)[2][4], float (&cm)[2]) {
+#pragma unroll
+    for (int j = 0; j < 2; ++j) cm[j] = fmaxf(fmaxf(lg[0][j], lg[0][j + 2]), fmaxf(lg[1][j], lg[1][j + 2]));
+  }
+
+  // Online softmax: the running max of each head moves to the max over the
+  // warp of cm (lane maxima of the new tokens); l, vlo and o are rescaled.
+  __device__ __forceinline__ void Rescale(float (&cm)[2]) {
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
-      cm[j] = fmaxf(fmaxf(lg[0][j], lg[0][j + 2]), fmaxf(lg[1][j], lg[1][j + 2]));
 #pragma unroll
       for (int off = 4; off <= 16; off <<= 1) cm[j] = fmaxf(cm[j], __shfl_xor_sync(kFull, cm[j], off));
     }
@@ -304,18 +329,21 @@ struct HistoryWarp {
     // the accumulators when it did not move for any lane.
     if (__any_sync(kFull, f[0] != 1.0f || f[1] != 1.0f)) {
 #pragma unroll
-    for (int nt = 0; nt < C::NT; ++nt)
+      for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
-      for (int mt = 0; mt < C::MT; ++mt) {
-        o[nt][mt][0] *= f[0];
-        o[nt][mt][1] *= f[1];
-        o[nt][mt][2] *= f[0];
-        o[nt][mt][3] *= f[1];
-      }
+        for (int mt = 0; mt < C::MT; ++mt) {
+          o[nt][mt][0] *= f[0];
+          o[nt][mt][1] *= f[1];
+          o[nt][mt][2] *= f[0];
+          o[nt][mt][3] *= f[1];
+        }
     }
+  }
 
-    // Probabilities, P' = p * s_V split into hi / lo, transposed into B fragments.
-    uint32_t pb[C::NT][NG][2][2];
+  // Probabilities of a chunk at the current running max, P' = p * s_V split
+  // into hi / lo, transposed into B fragments; adds to l and vlo.
+  __device__ __forceinline__ void Probabilities(const uint32_t (&vps)[4][NG], const float (&lg)[2][4],
+                                                uint32_t (&pb)[C::NT][NG][2][2]) {
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
       float p[4];
@@ -329,7 +357,7 @@ struct HistoryWarp {
         float pp[4];
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          const uint32_t vp = x.vp[2 * tau + (e >> 1)][gi];
+          const uint32_t vp = vps[2 * tau + (e >> 1)][gi];
           pp[e] = p[e] * ParamScale(vp);
           vlo[gi][e & 1] += p[e] * ParamMin(vp);
         }
@@ -347,8 +375,10 @@ struct HistoryWarp {
         }
       }
     }
+  }
 
-    // O' += P' V over the two 16-token tiles.
+  // O' += P' V over the two 16-token tiles of a chunk.
+  __device__ __forceinline__ void ValueProduct(const Regs& x, const uint32_t (&pb)[C::NT][NG][2][2]) {
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
 #pragma unroll

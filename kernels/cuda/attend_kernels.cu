@@ -43,6 +43,27 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
   }
 }
 
+// Prefetches into L2 the K and V rows of kv head wu.kv_head in the unit's
+// exact blocks, for units that run them after their history part (so those
+// rows do not come from DRAM on the unit's critical path). One 128-byte line
+// per thread and step.
+template <int D>
+__device__ void PrefetchExactRowsL2(const LaunchArgs& a, const ItemPlan& item, const WorkUnit& wu) {
+  constexpr int kLinesPerRow = (D * 2 + 127) / 128;
+  const int P = a.geom.page_tokens;
+  const size_t row_elems = a.geom.exact_row_elems();
+  const int per_block = 2 * P * kLinesPerRow;
+  const int total = (wu.exact_end - wu.exact_begin) * per_block;
+  for (int idx = threadIdx.x; idx < total; idx += kThreads) {
+    const int b = idx / per_block, j = idx % per_block;
+    const ExactBlockRef ref = item.exact[wu.exact_begin + b];
+    const int kv = j / (P * kLinesPerRow), tok = (j / kLinesPerRow) % P, line = j % kLinesPerRow;
+    if (tok >= ref.tokens) continue;
+    const bf16_bits* row = ref.block + (size_t(kv) * P + tok) * row_elems + size_t(wu.kv_head) * D;
+    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + line * 64));
+  }
+}
+
 // kPrefetch: register double buffer of whole chunks. kPipeline: software
 // pipeline, QK of chunk i+1 next to softmax / PV of chunk i (two independent
 // instruction streams per warp), K and V halves loaded on separate schedules.
@@ -64,55 +85,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     sm_l[warp][lane] = 0.0f;
   }
   __syncwarp();
-  if (wu.exact) {
-    // Exact blocks [begin, end); each block's tokens split over the 4 warps,
-    // in steps of Ex::kTokensPerStep tokens. The block references are held one
-    // per lane (blocks [base, base + 32)); the first step's rows are loaded
-    // before waiting for the prep kernel.
-    using Ex = ExactWarp<D, HG>;
-    Ex ex;
-    const int nb = wu.end - wu.begin;
-    int base = 0;
-    auto fetch_ref = [&](int b0) {
-      ExactBlockRef r{nullptr, 0};
-      if (b0 + lane < nb) r = item.exact[wu.begin + b0 + lane];
-      return r;
-    };
-    ExactBlockRef my_ref = fetch_ref(0);
-    ExactBlockRef blk{nullptr, 0};
-    int e = 0, t = 0, t1 = 0;
-    // Moves to the first block at or after `from` with tokens for this warp.
-    auto seek = [&](int from) {
-      for (e = from; e < nb; ++e) {
-        if (e >= base + 32) {
-          base += 32;
-          my_ref = fetch_ref(base);
-        }
-        blk.block = reinterpret_cast<const bf16_bits*>(__shfl_sync(
-            kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
-        blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
-        const int per = (blk.tokens + kWarps - 1) / kWarps;
-        t = warp * per;
-        t1 = min(blk.tokens, t + per);
-        if (t < t1) return;
-      }
-    };
-    typename Ex::Rows rows;
-    seek(0);
-    if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
-    WaitForPrerequisites();  // the prep kernel's scaled queries
-    LaunchDependents();
-    if (e < nb) {
-      ex.Init(a, wu.item, wu.kv_head, lane);
-      while (e < nb) {
-        ex.Step(a.g, rows, t, t1);
-        t += Ex::kTokensPerStep;
-        if (t >= t1) seek(e + 1);
-        if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
-      }
-      ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
-    }
-  } else {
+  const bool has_history = wu.partial >= 0, has_exact = wu.exact_partial >= 0;
+  if (has_history && has_exact) PrefetchExactRowsL2<D>(a, item, wu);
+  if (has_history) {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (wu.end - wu.begin) * cpp;
     HistoryWarp<D, NG, G8, kInt> hw;
@@ -201,8 +176,67 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
       }
     }
+    WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
   }
-  WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
+  if (has_exact) {
+    if (has_history) {
+      __syncthreads();  // every thread is done reading the history partial's state
+      if (lane < HG) {
+        sm_m[warp][lane] = -INFINITY;
+        sm_l[warp][lane] = 0.0f;
+      }
+      __syncwarp();
+    }
+    // Exact blocks [exact_begin, exact_end); each block's tokens split over
+    // the 4 warps, in steps of Ex::kTokensPerStep tokens. The block references
+    // are held one per lane (blocks [base, base + 32)); the first step's rows
+    // are loaded before waiting for the prep kernel (a unit with a history
+    // part has waited already, and prefetched these rows into L2).
+    using Ex = ExactWarp<D, HG>;
+    Ex ex;
+    const int nb = wu.exact_end - wu.exact_begin;
+    int base = 0;
+    auto fetch_ref = [&](int b0) {
+      ExactBlockRef r{nullptr, 0};
+      if (b0 + lane < nb) r = item.exact[wu.exact_begin + b0 + lane];
+      return r;
+    };
+    ExactBlockRef my_ref = fetch_ref(0);
+    ExactBlockRef blk{nullptr, 0};
+    int e = 0, t = 0, t1 = 0;
+    // Moves to the first block at or after `from` with tokens for this warp.
+    auto seek = [&](int from) {
+      for (e = from; e < nb; ++e) {
+        if (e >= base + 32) {
+          base += 32;
+          my_ref = fetch_ref(base);
+        }
+        blk.block = reinterpret_cast<const bf16_bits*>(__shfl_sync(
+            kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
+        blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
+        const int per = (blk.tokens + kWarps - 1) / kWarps;
+        t = warp * per;
+        t1 = min(blk.tokens, t + per);
+        if (t < t1) return;
+      }
+    };
+    typename Ex::Rows rows;
+    seek(0);
+    if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+    WaitForPrerequisites();  // the prep kernel's scaled queries
+    LaunchDependents();
+    if (e < nb) {
+      ex.Init(a, wu.item, wu.kv_head, lane);
+      while (e < nb) {
+        ex.Step(a.g, rows, t, t1);
+        t += Ex::kTokensPerStep;
+        if (t >= t1) seek(e + 1);
+        if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+      }
+      ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
+    }
+    WritePartial<D, HG>(a, wu.exact_partial, sm_o, sm_m, sm_l);
+  }
 }
 
 // Launches `kernel` with programmatic stream serialization (PDL) allowed.
@@ -251,10 +285,10 @@ template <int D, int NG, bool G8>
 absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStream_t stream) {
   LaunchArgs a = args;
   a.int_qk = UsesIntQk(s.variant, D, G8) ? 1 : 0;
-  // A cluster of kPrepCluster blocks per (item, query head) (__cluster_dims__).
-  const long prep_blocks = long(s.num_items) * s.hq * kPrepCluster;
-  if (prep_blocks > 0x7fffffffL) return absl::InvalidArgumentError("attention batch too large");
-  PrepKernel<D, G8><<<dim3(static_cast<unsigned>(prep_blocks)), kPrepThreads, 0, stream>>>(a);
+  // One prep block per (item, query head).
+  const long heads = long(s.num_items) * s.hq;
+  if (heads > 0x7fffffffL) return absl::InvalidArgumentError("attention batch too large");
+  PrepKernel<D, G8><<<dim3(static_cast<unsigned>(heads)), PrepThreads(D), 0, stream>>>(a);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (s.stages >= 2 && s.num_work > 0) {
     OSCARKV_RETURN_IF_ERROR(

@@ -43,6 +43,7 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   std::unique_ptr<AttendLauncher> l(new AttendLauncher(device, sms));
   // Operators (and the GPU tests) may pick the split-kernel variant.
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_VARIANT")) l->variant_ = std::atoi(v);
+  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_FOLD")) l->fold_exact_ = std::atoi(v);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
   return l;
 }
@@ -111,9 +112,13 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
   OSCARKV_ASSIGN_OR_RETURN(const int per_sm, cuda_attend::SplitBlocksPerSm(shape));
   const long capacity = std::max<long>(1, long(per_sm) * num_sms_);
-  const cuda_attend::UnitSizes sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity);
+  const cuda_attend::UnitSizes sizes = cuda_attend::SizeAttendUnits(
+      b.items, n, H, capacity,
+      fold_exact_ == 1   ? cuda_attend::FoldExact::kAlways
+      : fold_exact_ == 2 ? cuda_attend::FoldExact::kNever
+                         : cuda_attend::FoldExact::kAuto);
   const long num_work = sizes.num_work();
-  if (num_work > (1L << 30) || total_pages > (1L << 30)) {
+  if (num_work > (1L << 30) || sizes.partials > (1L << 30) || total_pages > (1L << 30)) {
     return absl::InvalidArgumentError("attention batch too large for one launch");
   }
 
@@ -130,7 +135,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t off_qexact =
       AlignUp(off_qmeta + size_t(n) * b.num_q_heads * cuda_attend::kQueryMetaFloats * 4);
   const size_t off_part = AlignUp(off_qexact + size_t(n) * b.num_q_heads * D * 4);
-  const size_t total = AlignUp(off_part + size_t(num_work) * cuda_attend::PartialFloats(g, D) * 4);
+  const size_t total =
+      AlignUp(off_part + size_t(sizes.partials) * cuda_attend::PartialFloats(g, D) * 4);
 
   // The staging buffer may still feed the previous upload.
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(upload_done_));
@@ -196,7 +202,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.exact_units = static_cast<int>(sizes.exact_units);
   schedule_.history_units = static_cast<int>(sizes.history_units);
   schedule_.pages_per_unit = static_cast<int>(sizes.pages_per_unit);
-  schedule_.partials = static_cast<int>(num_work);
+  schedule_.partials = static_cast<int>(sizes.partials);
   schedule_.upload_bytes = upload;
   return absl::OkStatus();
 }

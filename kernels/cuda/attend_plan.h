@@ -3,10 +3,11 @@
 //
 // A batch is cut into work units, one thread block each:
 //   - exact units: one (item, kv head, range of sink/recent blocks), BF16 attention;
-//   - history units: one (item, kv head, range of history pages) (split-KV).
-// Every unit writes one partial result (un-normalized accumulator, running max
-// and running sum per query head of the GQA group, base-2 logits) that the
-// merge kernel combines with the online-softmax rule.
+//   - history units: one (item, kv head, range of history pages) (split-KV),
+//     which may also take a range of the same kv head's exact blocks.
+// Every part of a unit writes one partial result (un-normalized accumulator,
+// running max and running sum per query head of the GQA group, base-2
+// logits) that the merge kernel combines with the online-softmax rule.
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_PLAN_H_
 #define OSCARKV_KERNELS_CUDA_ATTEND_PLAN_H_
 
@@ -35,13 +36,19 @@ struct ItemPlan {
   int exact_splits = 0;
 };
 
+// A unit has a history part (pages [begin, end) of one kv head, written to
+// partial `partial`) and / or an exact part (exact blocks [exact_begin,
+// exact_end), written to partial `exact_partial`); a partial index < 0 means
+// the unit has no such part. A unit with both runs the history first.
 struct WorkUnit {
   int item = 0;
   int kv_head = 0;
-  int begin = 0;  // first page (history) or exact block (exact)
-  int end = 0;    // one past the last page / exact block
-  int partial = 0;
-  int exact = 0;  // 1: exact unit
+  int begin = 0;  // first history page
+  int end = 0;    // one past the last history page
+  int partial = -1;
+  int exact_begin = 0;
+  int exact_end = 0;
+  int exact_partial = -1;
 };
 
 // Floats per partial: acc [g][D], then m [g], then l [g].

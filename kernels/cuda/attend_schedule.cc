@@ -76,29 +76,42 @@ absl::Status CheckAttendBatch(const AttendBatch& b) {
 }
 
 
-UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity) {
+namespace {
+
+// The unit sizes with fold_exact = fold && the history is not light.
+UnitSizes SizeUnits(const AttendItem* items, int n, int H, long capacity, bool fold_exact) {
   UnitSizes u;
   capacity = std::max<long>(1, capacity);
-  long total_pages = 0, total_exact = 0, max_exact = 1;
+  long total_pages = 0;
+  for (int i = 0; i < n; ++i) total_pages += items[i].num_pages;
+  const bool light_history = total_pages * H <= kLightPagesPerUnit * capacity;
+  u.fold_exact = fold_exact && !light_history;
+  // Items whose exact blocks take exact units of their own.
+  auto exact_only = [&](int i) {
+    return items[i].num_exact > 0 && (!u.fold_exact || items[i].num_pages == 0);
+  };
+  long max_exact = 1;
+  bool any_exact = false;
   for (int i = 0; i < n; ++i) {
-    total_pages += items[i].num_pages;
-    total_exact += items[i].num_exact;
+    if (!exact_only(i)) continue;
+    any_exact = true;
     max_exact = std::max<long>(max_exact, items[i].num_exact);
   }
   auto count_exact = [&](long e) {
     long c = 0;
-    for (int i = 0; i < n; ++i) c += (items[i].num_exact + e - 1) / e;
+    for (int i = 0; i < n; ++i) {
+      if (exact_only(i)) c += (items[i].num_exact + e - 1) / e;
+    }
     return c * H;
   };
   // Exact units are short chains of dependent loads: with little history they
   // are the critical path, so they get more of the wave (one block each where
   // possible); with much history the history units need the slots.
-  const bool light_history = total_pages * H <= kLightPagesPerUnit * capacity;
   const long exact_cap = light_history ? capacity / 4 : capacity / 8;
   while (u.exact_per_unit < max_exact && count_exact(u.exact_per_unit) > exact_cap) {
     ++u.exact_per_unit;
   }
-  u.exact_units = total_exact > 0 ? count_exact(u.exact_per_unit) : 0;
+  u.exact_units = any_exact ? count_exact(u.exact_per_unit) : 0;
   const long target = std::max({1L, capacity / 2, capacity - u.exact_units});
   auto count_history = [&](long p) {
     long c = 0;
@@ -122,7 +135,31 @@ UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity) 
   }
   u.pages_per_unit = lo;
   u.history_units = total_pages > 0 ? count_history(u.pages_per_unit) : 0;
+  u.partials = u.num_work();
+  if (u.fold_exact) {
+    for (int i = 0; i < n; ++i) {
+      if (items[i].num_pages <= 0) continue;
+      const long splits = (items[i].num_pages + u.pages_per_unit - 1) / u.pages_per_unit;
+      u.partials += long(H) * FoldedExactSplits(items[i].num_exact, static_cast<int>(splits));
+    }
+  }
   return u;
+}
+
+}  // namespace
+
+UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity, FoldExact fold) {
+  switch (fold) {
+    case FoldExact::kAlways:
+      return SizeUnits(items, n, H, capacity, true);
+    case FoldExact::kNever:
+      return SizeUnits(items, n, H, capacity, false);
+    case FoldExact::kAuto:
+      break;
+  }
+  const UnitSizes unfolded = SizeUnits(items, n, H, capacity, false);
+  return unfolded.pages_per_unit >= kFoldPagesPerUnit ? SizeUnits(items, n, H, capacity, true)
+                                                      : unfolded;
 }
 
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int H,
@@ -131,14 +168,20 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
   int partial = 0, w = 0;
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = items[i];
-    const int splits = it.num_exact > 0 ? static_cast<int>((it.num_exact + epu - 1) / epu) : 0;
     plans[i].exact_begin = partial;
+    plans[i].exact_splits = 0;
+    if (it.num_exact <= 0 || (sizes.fold_exact && it.num_pages > 0)) continue;
+    const int splits = static_cast<int>((it.num_exact + epu - 1) / epu);
     plans[i].exact_splits = splits;
     for (int h = 0; h < H; ++h) {
       for (int s = 0; s < splits; ++s) {
-        const int begin = static_cast<int>(s * epu);
-        const int end = static_cast<int>(std::min<long>(it.num_exact, (s + 1) * epu));
-        work[w++] = WorkUnit{i, h, begin, end, partial++, 1};
+        WorkUnit& u = work[w++];
+        u = WorkUnit{};
+        u.item = i;
+        u.kv_head = h;
+        u.exact_begin = static_cast<int>(s * epu);
+        u.exact_end = static_cast<int>(std::min<long>(it.num_exact, (s + 1) * epu));
+        u.exact_partial = partial++;
       }
     }
   }
@@ -147,11 +190,30 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
     const int splits = it.num_pages > 0 ? static_cast<int>((it.num_pages + ppu - 1) / ppu) : 0;
     plans[i].hist_begin = partial;
     plans[i].hist_splits = splits;
+    partial += H * splits;
+    // Exact blocks riding on this item's first history units.
+    const bool fold = sizes.fold_exact && splits > 0 && it.num_exact > 0;
+    const int esplits = fold ? FoldedExactSplits(it.num_exact, splits) : 0;
+    const int per = fold ? (it.num_exact + splits - 1) / splits : 0;
+    if (fold) {
+      plans[i].exact_begin = partial;
+      plans[i].exact_splits = esplits;
+      partial += H * esplits;
+    }
     for (int h = 0; h < H; ++h) {
       for (int s = 0; s < splits; ++s) {
-        const int begin = static_cast<int>(s * ppu);
-        const int end = static_cast<int>(std::min<long>(it.num_pages, (s + 1) * ppu));
-        work[w++] = WorkUnit{i, h, begin, end, partial++, 0};
+        WorkUnit& u = work[w++];
+        u = WorkUnit{};
+        u.item = i;
+        u.kv_head = h;
+        u.begin = static_cast<int>(s * ppu);
+        u.end = static_cast<int>(std::min<long>(it.num_pages, (s + 1) * ppu));
+        u.partial = plans[i].hist_begin + h * splits + s;
+        if (s < esplits) {
+          u.exact_begin = s * per;
+          u.exact_end = std::min(it.num_exact, (s + 1) * per);
+          u.exact_partial = plans[i].exact_begin + h * esplits + s;
+        }
       }
     }
   }

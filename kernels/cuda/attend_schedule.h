@@ -21,8 +21,12 @@ absl::Status CheckAttendBatch(const AttendBatch& batch);
 struct UnitSizes {
   long exact_per_unit = 1;  // sink / recent blocks per exact unit
   long pages_per_unit = 1;  // history pages per history unit
-  long exact_units = 0;
-  long history_units = 0;
+  long exact_units = 0;     // units with an exact part only
+  long history_units = 0;   // units with a history part
+  // The exact blocks of items with history ride on their history units
+  // instead of taking exact units of their own (see FoldExact).
+  bool fold_exact = false;
+  long partials = 0;  // partial results the units write
   long num_work() const { return exact_units + history_units; }
 };
 
@@ -30,18 +34,49 @@ struct UnitSizes {
 // pages each in one full wave.
 inline constexpr long kLightPagesPerUnit = 16;
 
-// Sizes the units so that they fit in one wave of `capacity` resident
-// blocks: exact units (item, kv head, up to exact_per_unit blocks) take at
-// most capacity / 4 when the history is light, else capacity / 8, where the
-// batch allows; history units (item, kv head, up to pages_per_unit pages)
-// the rest, at least capacity / 2. (H200, 2026-11-29: capacity / 4 for all
-// shapes took B1 8K from 23.6 to 19.7 us but B1 128K from 57.0 to 61.5 us.)
-UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity);
+// Whether the exact blocks of items with history ride on their history units.
+enum class FoldExact {
+  kAuto,    // when the history units would hold >= kFoldPagesPerUnit pages each
+  kAlways,  // whenever the history is not light
+  kNever,   // exact units of their own at every length
+};
 
-// Writes sizes.num_work() units into `work`: every item's exact units (kv head
-// major), then every item's history units; unit u writes partial u. Sets the
-// partial ranges of plans[i] (exact_begin, exact_splits, hist_begin,
-// hist_splits) and leaves its other fields alone.
+// History units at least this long (in pages) take the exact blocks along
+// under FoldExact::kAuto. (H200, 2026-11-29, one layer, 32 q / 8 kv heads,
+// 32-token pages, GPU side, folded vs exact units of their own: B8 64K 181.1
+// vs 192.0 us (408 pages per unit unfolded); B8 32K 109.1 vs 106.9 (203);
+// B1 128K 59.9 vs 57.1 (93); B1 32K 31.6 vs 26.3 (24). A folded unit runs
+// its exact block after its pages, a tail of several us on the critical
+// path, which pays only when the units are long.)
+inline constexpr long kFoldPagesPerUnit = 256;
+
+// Sizes the units so that they fit in one wave of `capacity` resident
+// blocks. Exact units (item, kv head, up to exact_per_unit blocks) take at
+// most capacity / 4 of the wave when the history is light (they are short
+// chains of dependent loads and the critical path), else capacity / 8;
+// history units (item, kv head, up to pages_per_unit pages) the rest. When
+// the exact blocks fold (see FoldExact), the history units take the whole
+// wave and each (item, kv head)'s exact blocks are spread over its first
+// history units, which run them after their pages; only items without
+// history keep exact units (exact units of their own would sit idle once
+// done, for most of a long call: 16 % of the wave at B8 64K).
+UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity,
+                          FoldExact fold = FoldExact::kAuto);
+
+// The exact splits of an item whose exact blocks ride on its `hist_splits`
+// history units: ceil(E / ceil(E / hist_splits)) units take
+// ceil(E / hist_splits) blocks each (the last one the rest).
+inline int FoldedExactSplits(int num_exact, int hist_splits) {
+  if (num_exact <= 0 || hist_splits <= 0) return 0;
+  const int per = (num_exact + hist_splits - 1) / hist_splits;
+  return (num_exact + per - 1) / per;
+}
+
+// Writes sizes.num_work() units into `work`: the exact units (item, then kv
+// head major), then the history units; sizes.partials partial indices, each
+// written by exactly one unit. Sets the partial ranges of plans[i]
+// (exact_begin, exact_splits, hist_begin, hist_splits: the partials of kv
+// head h are begin + h * splits + s) and leaves its other fields alone.
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int num_items,
                      int kv_heads, WorkUnit* work, ItemPlan* plans);
 

@@ -21,11 +21,12 @@ struct Case {
   std::vector<AttendItem> items;
   int kv_heads;
   long capacity;
+  FoldExact fold = FoldExact::kAuto;
 };
 
 void CheckPlan(const Case& c) {
   const int n = static_cast<int>(c.items.size()), H = c.kv_heads;
-  const UnitSizes sizes = SizeAttendUnits(c.items.data(), n, H, c.capacity);
+  const UnitSizes sizes = SizeAttendUnits(c.items.data(), n, H, c.capacity, c.fold);
   std::vector<WorkUnit> work(sizes.num_work());
   std::vector<ItemPlan> plans(n);
   FillAttendUnits(sizes, c.items.data(), n, H, work.data(), plans.data());
@@ -44,38 +45,58 @@ void CheckPlan(const Case& c) {
   EXPECT_GE(sizes.pages_per_unit, 1);
   EXPECT_GE(sizes.exact_per_unit, 1);
 
-  // Coverage: each (item, head, page) and (item, head, exact block) once.
+  // Coverage: each (item, head, page) and (item, head, exact block) once;
+  // each partial index in [0, sizes.partials) written by exactly one part.
   std::set<std::tuple<int, int, int>> seen_pages, seen_exact;
+  std::set<int> seen_partials;
   bool exact_phase = true;
+  long exact_only = 0, with_history = 0;
   for (size_t u = 0; u < work.size(); ++u) {
     const WorkUnit& w = work[u];
-    EXPECT_EQ(w.partial, static_cast<int>(u));
     ASSERT_GE(w.item, 0);
     ASSERT_LT(w.item, n);
     ASSERT_GE(w.kv_head, 0);
     ASSERT_LT(w.kv_head, H);
-    EXPECT_LT(w.begin, w.end);
-    if (!w.exact) exact_phase = false;
-    EXPECT_TRUE(!w.exact || exact_phase) << "exact units must come first";
+    const bool has_history = w.partial >= 0, has_exact = w.exact_partial >= 0;
+    EXPECT_TRUE(has_history || has_exact) << "unit " << u << " has nothing to do";
+    if (has_history) exact_phase = false;
+    EXPECT_TRUE(has_history || exact_phase) << "exact-only units must come first";
+    exact_only += has_history ? 0 : 1;
+    with_history += has_history ? 1 : 0;
     const AttendItem& it = c.items[w.item];
     const ItemPlan& p = plans[w.item];
-    if (w.exact) {
-      EXPECT_LE(w.end, it.num_exact);
-      EXPECT_LE(w.end - w.begin, sizes.exact_per_unit);
-      EXPECT_EQ(w.partial, p.exact_begin + w.kv_head * p.exact_splits +
-                               static_cast<int>(w.begin / sizes.exact_per_unit));
-      for (int e = w.begin; e < w.end; ++e) {
+    if (has_exact) {
+      EXPECT_LT(w.exact_begin, w.exact_end);
+      EXPECT_LE(w.exact_end, it.num_exact);
+      const int per = has_history ? (it.num_exact + p.hist_splits - 1) / p.hist_splits
+                                  : static_cast<int>(sizes.exact_per_unit);
+      EXPECT_LE(w.exact_end - w.exact_begin, per);
+      EXPECT_EQ(w.exact_begin % per, 0);
+      EXPECT_EQ(w.exact_partial, p.exact_begin + w.kv_head * p.exact_splits + w.exact_begin / per);
+      EXPECT_EQ(has_history, sizes.fold_exact && it.num_pages > 0);
+      EXPECT_TRUE(seen_partials.insert(w.exact_partial).second);
+      for (int e = w.exact_begin; e < w.exact_end; ++e) {
         EXPECT_TRUE(seen_exact.insert({w.item, w.kv_head, e}).second);
       }
-    } else {
+    }
+    if (has_history) {
+      EXPECT_LT(w.begin, w.end);
       EXPECT_LE(w.end, it.num_pages);
       EXPECT_LE(w.end - w.begin, sizes.pages_per_unit);
       EXPECT_EQ(w.partial, p.hist_begin + w.kv_head * p.hist_splits +
                                static_cast<int>(w.begin / sizes.pages_per_unit));
+      EXPECT_TRUE(seen_partials.insert(w.partial).second);
       for (int pg = w.begin; pg < w.end; ++pg) {
         EXPECT_TRUE(seen_pages.insert({w.item, w.kv_head, pg}).second);
       }
     }
+  }
+  EXPECT_EQ(exact_only, sizes.exact_units);
+  EXPECT_EQ(with_history, sizes.history_units);
+  EXPECT_EQ(static_cast<long>(seen_partials.size()), sizes.partials);
+  if (!seen_partials.empty()) {
+    EXPECT_EQ(*seen_partials.begin(), 0);
+    EXPECT_EQ(*seen_partials.rbegin(), sizes.partials - 1);
   }
   EXPECT_EQ(static_cast<long>(seen_pages.size()), pages * H);
   EXPECT_EQ(static_cast<long>(seen_exact.size()), exact * H);
@@ -98,12 +119,44 @@ TEST(AttendSchedule, CoversEveryPageAndBlockOnceForTheBenchmarkShapes) {
 TEST(AttendSchedule, ExactUnitsGetMoreOfTheWaveWhenTheHistoryIsLight) {
   // B=1, 8K tokens: 246 pages per kv head, ~5 per unit: one block per exact unit.
   const AttendItem light = Item(246, 10);
-  EXPECT_EQ(SizeAttendUnits(&light, 1, 8, 396).exact_per_unit, 1);
-  // B=1, 128K: the history units need the slots (at most 396 / 8 exact units).
+  const UnitSizes l = SizeAttendUnits(&light, 1, 8, 396);
+  EXPECT_FALSE(l.fold_exact);
+  EXPECT_EQ(l.exact_per_unit, 1);
+  EXPECT_EQ(l.exact_units, 80);
+}
+
+TEST(AttendSchedule, LongHistoryUnitsTakeTheWholeWaveAndCarryTheExactBlocks) {
+  // B=1, 128K: 93 pages per unit, too short to carry the exact blocks by default.
   const AttendItem heavy = Item(4086, 10);
-  const UnitSizes u = SizeAttendUnits(&heavy, 1, 8, 396);
-  EXPECT_EQ(u.exact_per_unit, 2);
-  EXPECT_LE(u.exact_units, 396 / 8);
+  const UnitSizes a = SizeAttendUnits(&heavy, 1, 8, 396);
+  EXPECT_FALSE(a.fold_exact);
+  EXPECT_EQ(a.exact_per_unit, 2);
+  EXPECT_LE(a.exact_units, 396 / 8);
+  // Forced: no exact units of their own; 10 of the history units of each kv
+  // head take one exact block each.
+  const UnitSizes u = SizeAttendUnits(&heavy, 1, 8, 396, FoldExact::kAlways);
+  EXPECT_TRUE(u.fold_exact);
+  EXPECT_EQ(u.exact_units, 0);
+  EXPECT_LE(u.history_units, 396);
+  EXPECT_GT(u.history_units, 396 - 396 / 8);
+  const int splits = static_cast<int>(u.history_units / 8);
+  EXPECT_EQ(FoldedExactSplits(10, splits), 10);
+  EXPECT_EQ(u.partials, u.history_units + 8 * 10);
+  // B=8, 64K (408 pages per unit unfolded), with one sink-only item: folded
+  // by default; that item still gets exact units.
+  std::vector<AttendItem> batch(8, Item(2038, 10));
+  batch.push_back(Item(0, 3));
+  const UnitSizes b = SizeAttendUnits(batch.data(), 9, 8, 396);
+  EXPECT_TRUE(b.fold_exact);
+  EXPECT_EQ(b.exact_units, 8 * 3);
+  CheckPlan({batch, 8, 396});
+  EXPECT_FALSE(SizeAttendUnits(batch.data(), 9, 8, 396, FoldExact::kNever).fold_exact);
+  // Light history never folds.
+  const AttendItem light = Item(246, 10);
+  EXPECT_FALSE(SizeAttendUnits(&light, 1, 8, 396, FoldExact::kAlways).fold_exact);
+  EXPECT_EQ(FoldedExactSplits(10, 4), 4);  // 3 + 3 + 3 + 1
+  EXPECT_EQ(FoldedExactSplits(9, 6), 5);   // 2 x 4 + 1
+  EXPECT_EQ(FoldedExactSplits(0, 6), 0);
 }
 
 TEST(AttendSchedule, HandlesEmptyItemsSinkOnlyItemsAndTinyCapacities) {
@@ -124,6 +177,10 @@ TEST(AttendSchedule, CoversRandomBatches) {
       c.items.push_back(Item(static_cast<int>(rng() % 3000), static_cast<int>(rng() % 14)));
     }
     SCOPED_TRACE(trial);
+    CheckPlan(c);
+    c.fold = FoldExact::kAlways;
+    CheckPlan(c);
+    c.fold = FoldExact::kNever;
     CheckPlan(c);
   }
 }

@@ -9,6 +9,7 @@
 // Outputs are poisoned with NaN before each run; every element must be finite.
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 #include <random>
@@ -286,6 +287,35 @@ TEST(CudaAttendDefaults, Qwen3ShapeWithDefaultTiersMatchesReference) {
               e.cpu_ref, e.lse_gpu_ref);
   EXPECT_LT(e.gpu_ref, 1e-4);
   EXPECT_LT(e.lse_gpu_ref, 1e-4);
+}
+
+// Exact blocks riding on the history units (forced: by default they do only
+// from kFoldPagesPerUnit pages per unit, far longer than a test can afford):
+// batches with enough history not to be light (> 16 x 396 (item, kv head,
+// page) triples on an H200), next to items short enough to have no history
+// at all (those keep exact units of their own).
+TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReference) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  setenv("OSCARKV_CUDA_ATTEND_FOLD", "1", 1);
+  auto folded = CreateCudaBackend(0);
+  unsetenv("OSCARKV_CUDA_ATTEND_FOLD");
+  ASSERT_TRUE(folded.ok()) << folded.status();
+  Backend* const shared = gpu;
+  gpu = folded->get();
+  const Config configs[] = {
+      {128, 4, 128, 8, 64, 256, 32, false, {100, 300, 28000}},
+      {64, 8, 32, 8, 8, 40, 32, true, {50, 27000, 7}},
+      {256, 1, 128, 8, 64, 256, 32, false, {27000, 320}},
+  };
+  for (const Config& cf : configs) {
+    const Errors e = RunConfig(cf, 91 + cf.dim);
+    std::printf("heavy D=%d g=%d: rel err gpu/ref %.2e cpu/ref %.2e gpu/cpu %.2e, lse gpu/ref %.2e\n",
+                cf.dim, cf.gqa, e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.lse_gpu_ref);
+    EXPECT_LT(e.gpu_ref, 1e-4);
+    EXPECT_LT(e.gpu_cpu, 1e-4);
+    EXPECT_LT(e.lse_gpu_ref, 1e-4);
+  }
+  gpu = shared;
 }
 
 TEST(CudaAttendLimits, UnsupportedShapesAndBadItemsGiveAClearStatus) {

@@ -14,9 +14,12 @@
 //
 //   oscarkv_gpu_bench [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]
 //                     [--variant N[,N...]]  (split-kernel variants, see AttendLauncher::set_variant;
-//                                            default: all, one table row each)
+//                                            default: all, one table row each; with a list,
+//                                            every listed variant gets the stage breakdown)
 //                     [--ablate BITS]  (time parts of the history loop in place, results wrong:
 //                                       see AttendLauncher::set_ablate)
+//                     [--fold 0|1|2]  (where the exact blocks run: auto, on the history units,
+//                                      in units of their own: see AttendLauncher::set_fold_exact)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -145,6 +148,7 @@ int Main(int argc, char** argv) {
   int iters = 200;
   std::vector<int> only_variants;  // empty: all
   int ablate = 0;
+  int fold_exact = 0;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--baseline" && i + 1 < argc) baseline_path = argv[++i];
@@ -152,6 +156,7 @@ int Main(int argc, char** argv) {
     else if (a == "--iters" && i + 1 < argc) iters = std::atoi(argv[++i]);
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--ablate" && i + 1 < argc) ablate = std::atoi(argv[++i]);
+    else if (a == "--fold" && i + 1 < argc) fold_exact = std::atoi(argv[++i]);
     else if (a == "--variant" && i + 1 < argc) {
       // One variant or a comma-separated list.
       for (const char* p = argv[++i]; *p != '\0';) {
@@ -162,7 +167,7 @@ int Main(int argc, char** argv) {
       }
     }
     else {
-      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072] [--variant N[,N...]] [--ablate BITS]\n", argv[0]);
+      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072] [--variant N[,N...]] [--ablate BITS] [--fold 0|1|2]\n", argv[0]);
       return 2;
     }
   }
@@ -320,6 +325,7 @@ int Main(int argc, char** argv) {
       CKS(l.status());
       (*l)->set_variant(variant);
       (*l)->set_ablate(ablate);
+      (*l)->set_fold_exact(fold_exact);
       CKS((*l)->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
       launchers.push_back(std::move(l).value());
     }
@@ -333,7 +339,8 @@ int Main(int argc, char** argv) {
     // adds the rest); each stage runs in its place in the call, with PDL
     // overlaps.
     double stage_us[2] = {0, 0};
-    if (variant == default_variant) {
+    const bool stages = variant == default_variant || !only_variants.empty();
+    if (stages) {
       for (int st = 1; st <= 3; ++st) {
         for (int s = 0; s < sets; ++s) {
           launchers[s]->set_launch_stages(st);
@@ -394,9 +401,12 @@ int Main(int argc, char** argv) {
                 graph_us, call_us, sdpa, sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0,
                 bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, sets,
                 bad ? "  NON-FINITE OUTPUT" : (nonzero == 0 ? "  ALL ZERO" : ""));
-    std::printf("%-13s   GPU side (calls queued): ours %.1f us, SDPA %.1f us, speedup %.2f\n", "",
-                gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0);
-    if (variant == default_variant) {
+    const auto& sched = launchers[0]->schedule();
+    std::printf("%-13s   GPU side (calls queued): ours %.1f us, SDPA %.1f us, speedup %.2f; "
+                "units: %d exact + %d history (%d pages each), %d partials\n",
+                "", gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0,
+                sched.exact_units, sched.history_units, sched.pages_per_unit, sched.partials);
+    if (stages) {
       std::printf("%-13s   GPU-side stages: prep %.1f us, prep+split %.1f us, all %.1f us "
                   "(split adds %.1f, merge adds %.1f)\n",
                   "", stage_us[0], stage_us[1], gpu_us, stage_us[1] - stage_us[0],

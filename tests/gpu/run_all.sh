@@ -20,7 +20,8 @@
 # and 4), the benchmark before the sanitizer, and a smaller sanitizer set, 50 s
 # at most each (memcheck, racecheck and initcheck of the attention, memcheck
 # of the codec); SKIP_SANITIZER=1 skips compute-sanitizer; SKIP_BENCH=1 skips
-# the benchmark and the PyTorch baseline; BENCH_ITERS (default 200); NCU=1 adds
+# the benchmark and the PyTorch baseline; BENCH_ITERS (default 200);
+# BENCH_VARIANTS (e.g. 3: the split-kernel variants to time; default all); NCU=1 adds
 # ncu profiles of the attention and encode kernels and the SASS of the bench.
 set -u
 out=${1:?usage: run_all.sh OUT_DIR [BUNDLE_DIR]}
@@ -51,7 +52,7 @@ bench() {
   run sdpa_baseline env PYTHONUNBUFFERED=1 python3 "$here/sdpa_baseline.py" --json "$out/sdpa.json" \
     --iters "${BENCH_ITERS:-200}"
   run gpu_bench "$bundle/bin/oscarkv_gpu_bench" --baseline "$out/sdpa.json" --json "$out/bench.json" \
-    --iters "${BENCH_ITERS:-200}"
+    --iters "${BENCH_ITERS:-200}" ${BENCH_VARIANTS:+--variant "$BENCH_VARIANTS"}
 }
 
 for t in cuda_codec_test cuda_attend_test; do
