@@ -196,6 +196,7 @@ int Main() {
   std::condition_variable cv;
   std::deque<std::pair<int, SyntheticLayer>> ready;
   absl::Status gen_status;
+  bool stop_generating = false;  // the stream failed: no one takes more layers
   std::thread generator([&] {
     for (int l = 0; l < L; ++l) {
       auto layer = GenerateSyntheticLayer(spec, l);
@@ -205,15 +206,25 @@ int Main() {
         cv.notify_all();
         return;
       }
-      cv.wait(lock, [&] { return ready.size() < 2; });
+      cv.wait(lock, [&] { return ready.size() < 2 || stop_generating; });
+      if (stop_generating) return;
       ready.emplace_back(l, std::move(*layer));
       cv.notify_all();
     }
   });
+  // Ends the generator early (it may be waiting for room in `ready`).
+  auto stop_generator = [&] {
+    {
+      std::lock_guard<std::mutex> lock(mu);
+      stop_generating = true;
+    }
+    cv.notify_all();
+    generator.join();
+  };
   const auto t_put = Clock::now();
   auto stream = client->OpenPut(id, model, layout, /*pin=*/false, /*expected_tokens=*/T);
   if (!stream.ok()) {
-    generator.join();
+    stop_generator();
     return Fail("PutKv", stream.status());
   }
   const int64_t chunk_tokens = std::max<int64_t>(1, (4 << 20) / int64_t(row * 4));
@@ -232,7 +243,7 @@ int Main() {
       const int64_t n = std::min<int64_t>(chunk_tokens, T - t);
       const absl::Status w = (*stream)->Write(l, t, n, s.k.data() + t * row, s.v.data() + t * row);
       if (!w.ok()) {
-        generator.join();
+        stop_generator();
         return Fail("PutKv", w);
       }
     }
@@ -415,5 +426,8 @@ int main(int argc, char** argv) {
   usage.contains_helpshort_flags = usage.contains_help_flags;
   absl::SetFlagsUsageConfig(usage);
   absl::ParseCommandLine(argc, argv);
+  // Each finished line reaches a log file at once, also when the demo is
+  // stopped part-way (a timeout used to swallow the buffered summary lines).
+  std::setvbuf(stdout, nullptr, _IOLBF, 0);
   return oscarkv::Main();
 }

@@ -5,6 +5,9 @@
 # Append+Attend next to the server's own attention compute time (its
 # oscarkv_attention_compute_seconds histogram). Logs under OUT (arg 1).
 #   [POOL=16GiB or a fraction of free GPU memory] tests/gpu/final_e2e.sh OUT [BUNDLE_DIR=.gpu] [TOKENS=131072]
+# Takes about 300 s at 128K tokens on an H200 host (2026-11-29): prefill 104 s,
+# then decode, the compressed fetch and the demo's CPU-side checks; give it a
+# 400 s limit.
 set -uo pipefail
 out=${1:?usage: final_e2e.sh OUT [BUNDLE] [TOKENS]}
 bundle=${2:-.gpu}

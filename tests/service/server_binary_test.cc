@@ -1,15 +1,19 @@
 // The real oscarkv-server binary as a child process: flags, health SERVING,
 // reflection listing the services, a put/get/attend round trip, /metrics over
-// HTTP, and a graceful exit on SIGTERM.
+// HTTP, and a graceful exit on SIGTERM; the demo client against it when the
+// server refuses its prefill.
 #include <arpa/inet.h>
 #include <netinet/in.h>
+#include <poll.h>
 #include <signal.h>
 #include <spawn.h>
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <chrono>
 #include <regex>
+#include <thread>
 
 #include "gmock/gmock.h"
 #include "grpc/health/v1/health.grpc.pb.h"
@@ -205,6 +209,83 @@ TEST(ServerBinary, BadFlagsExitWithAClearMessage) {
   int status = 0;
   waitpid(child.pid(), &status, 0);
 }
+
+#ifdef OSCARKV_DEMO_BINARY
+struct ChildResult {
+  bool exited = false;  // false: still running at the deadline (killed)
+  int code = -1;
+  std::string output;  // stdout and stderr
+};
+
+// Runs a program with stdout and stderr into one pipe; kills it at the deadline.
+ChildResult RunWithDeadline(std::vector<std::string> args, std::chrono::seconds limit) {
+  ChildResult r;
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  int fds[2];
+  if (pipe(fds) != 0) return r;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  pid_t pid = -1;
+  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  close(fds[1]);
+  if (rc != 0) {
+    close(fds[0]);
+    return r;
+  }
+  const auto deadline = std::chrono::steady_clock::now() + limit;
+  char buf[4096];
+  while (std::chrono::steady_clock::now() < deadline) {
+    pollfd p{fds[0], POLLIN, 0};
+    if (poll(&p, 1, 50) > 0) {
+      const ssize_t n = read(fds[0], buf, sizeof(buf));
+      if (n <= 0) break;  // EOF: the child closed its output
+      r.output.append(buf, size_t(n));
+    }
+  }
+  int status = 0;
+  while (std::chrono::steady_clock::now() < deadline) {
+    if (waitpid(pid, &status, WNOHANG) == pid) {
+      r.exited = true;
+      break;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+  }
+  if (!r.exited) {
+    kill(pid, SIGKILL);
+    waitpid(pid, &status, 0);
+  } else if (WIFEXITED(status)) {
+    r.code = WEXITSTATUS(status);
+  }
+  close(fds[0]);
+  return r;
+}
+
+// A prefill the server refuses part-way (its pool is far too small): the demo
+// says why and exits 1. It used to hang: its generator thread waited for room
+// in the queue that the failed stream would never drain.
+TEST(ServerBinary, DemoReportsARefusedPrefillAndExits) {
+  ChildServer server({"--listen=127.0.0.1:0", "--metrics_listen=", "--backend=cpu",
+                      "--pool_size=2MiB", "--model=deep:8:8:2:64"});
+  ASSERT_GT(server.pid(), 0);
+  const std::string banner = server.ReadBanner();
+  std::smatch m;
+  ASSERT_TRUE(std::regex_search(banner, m, std::regex("listening on port (\\d+)"))) << banner;
+  const ChildResult demo =
+      RunWithDeadline({OSCARKV_DEMO_BINARY, "--server=127.0.0.1:" + std::string(m[1]),
+                       "--model=deep", "--tokens=8192", "--oscar=false"},
+                      std::chrono::seconds(60));
+  EXPECT_TRUE(demo.exited) << "the demo hung:\n" << demo.output;
+  EXPECT_EQ(demo.code, 1) << demo.output;
+  EXPECT_THAT(demo.output, HasSubstr("PutKv: RESOURCE_EXHAUSTED"));
+  EXPECT_EQ(server.Terminate(), 0);
+}
+#endif  // OSCARKV_DEMO_BINARY
 
 }  // namespace
 }  // namespace oscarkv::testing
