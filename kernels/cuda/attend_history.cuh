@@ -304,7 +304,9 @@ struct HistoryWarp {
   // This lane's max of each of its two heads over its logits of a chunk.
   __device__ __forceinline__ static void LaneMax(const float (&lg)[2][4], float (&cm)[2]) {
 #pragma unroll
-    for (int j = 0; j < 2; ++j) cm[j] = fmaxf(fmaxf(lg[0][j], lg[0][j + 2]), fmaxf(lg[1][j], lg[1][j + 2]));
+    for (int j = 0; j < 2; ++j) {
+      cm[j] = fmaxf(fmaxf(lg[0][j], lg[0][j + 2]), fmaxf(lg[1][j], lg[1][j + 2]));
+    }
   }
 
   // Online softmax: the running max of each head moves to the max over the
@@ -342,7 +344,8 @@ struct HistoryWarp {
 
   // Probabilities of a chunk at the current running max, P' = p * s_V split
   // into hi / lo, transposed into B fragments; adds to l and vlo.
-  __device__ __forceinline__ void Probabilities(const uint32_t (&vps)[4][NG], const float (&lg)[2][4],
+  __device__ __forceinline__ void Probabilities(const uint32_t (&vps)[4][NG],
+                                                const float (&lg)[2][4],
                                                 uint32_t (&pb)[C::NT][NG][2][2]) {
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
@@ -378,7 +381,8 @@ struct HistoryWarp {
   }
 
   // O' += P' V over the two 16-token tiles of a chunk.
-  __device__ __forceinline__ void ValueProduct(const Regs& x, const uint32_t (&pb)[C::NT][NG][2][2]) {
+  __device__ __forceinline__ void ValueProduct(const Regs& x,
+                                               const uint32_t (&pb)[C::NT][NG][2][2]) {
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
 #pragma unroll

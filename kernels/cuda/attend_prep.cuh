@@ -116,13 +116,14 @@ __device__ inline void WriteQueryMeta(const LaunchArgs& a, int head_idx, float m
   meta[5] = meta[6] = meta[7] = 0.0f;
 }
 
-// Grid: one block per (item, query head), x = item·Hq + qh. The block computes all of q' = q·R_K·scale·log2e with 2·D threads (4·D for
-// D = 256). Thread t owns the 4 columns [4(t % CG), +4) (CG = D/4 column
-// groups) over the rows of slice t / CG (8 slices; 16 for D = 256), read
-// as float4 (the scalar path when R_K is not 16-byte aligned) and all issued
-// before the first product; the slices are summed in shared memory. Then it
-// writes the head's unrotated scaled query (qexact), its meta (digit-scale
-// multiplier, per-group Σq') and its columns of the query fragments.
+// Grid: one block per (item, query head), x = item·Hq + qh. The block
+// computes all of q' = q·R_K·scale·log2e with 2·D threads (4·D for D = 256).
+// Thread t owns the 4 columns [4(t % CG), +4) (CG = D/4 column groups) over
+// the rows of slice t / CG (8 slices; 16 for D = 256), read as float4 (the
+// scalar path when R_K is not 16-byte aligned) and all issued before the
+// first product; the slices are summed in shared memory. Then it writes the
+// head's unrotated scaled query (qexact), its meta (digit-scale multiplier,
+// per-group Σq') and its columns of the query fragments.
 constexpr int PrepThreads(int d) { return d <= 128 ? 2 * d : 4 * d; }
 
 template <int D, bool G8>
@@ -151,7 +152,9 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
     const float* base = rk + size_t(slice * kRows) * D + 4 * cg;
     if (vec) {
 #pragma unroll
-      for (int ii = 0; ii < kRows; ++ii) rv[ii] = __ldg(reinterpret_cast<const float4*>(base + size_t(ii) * D));
+      for (int ii = 0; ii < kRows; ++ii) {
+        rv[ii] = __ldg(reinterpret_cast<const float4*>(base + size_t(ii) * D));
+      }
     } else {
 #pragma unroll
       for (int ii = 0; ii < kRows; ++ii) {

@@ -309,7 +309,8 @@ TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReferen
   };
   for (const Config& cf : configs) {
     const Errors e = RunConfig(cf, 91 + cf.dim);
-    std::printf("heavy D=%d g=%d: rel err gpu/ref %.2e cpu/ref %.2e gpu/cpu %.2e, lse gpu/ref %.2e\n",
+    std::printf("heavy D=%d g=%d: rel err gpu/ref %.2e cpu/ref %.2e gpu/cpu %.2e, "
+                "lse gpu/ref %.2e\n",
                 cf.dim, cf.gqa, e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.lse_gpu_ref);
     EXPECT_LT(e.gpu_ref, 1e-4);
     EXPECT_LT(e.gpu_cpu, 1e-4);

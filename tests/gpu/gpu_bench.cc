@@ -167,7 +167,10 @@ int Main(int argc, char** argv) {
       }
     }
     else {
-      std::fprintf(stderr, "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072] [--variant N[,N...]] [--ablate BITS] [--fold 0|1|2]\n", argv[0]);
+      std::fprintf(stderr,
+                   "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] "
+                   "[--only B1_S131072] [--variant N[,N...]] [--ablate BITS] [--fold 0|1|2]\n",
+                   argv[0]);
       return 2;
     }
   }
