@@ -73,8 +73,8 @@ class AttendLauncher {
   void set_launch_stages(int stages) { stages_ = stages; }
 
   // Where the exact (BF16) blocks run: 0 = auto (on the history units when
-  // those are long, the default), 1 = on the history units whenever the
-  // history is not light, 2 = in exact units of their own (see
+  // those are long, the default), 1 = on the history units of every item
+  // with history, 2 = in exact units of their own (see
   // cuda_attend::FoldExact and SizeAttendUnits). For tests and benchmarks;
   // the environment variable OSCARKV_CUDA_ATTEND_FOLD sets the initial value.
   // Takes effect at the next Prepare().

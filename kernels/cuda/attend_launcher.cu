@@ -103,8 +103,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.variant = variant_;
   shape.stages = stages_;
 
-  // Work units: exact blocks first (short), then history ranges sized so that
-  // all units fit in one wave of resident blocks (attend_schedule.h).
+  // Work units: exact-only units first (short), then history ranges (which
+  // may carry exact blocks) sized so that all units fit in one wave of
+  // resident blocks (attend_schedule.h).
   long total_pages = 0, total_exact = 0;
   for (int i = 0; i < n; ++i) {
     total_pages += b.items[i].num_pages;

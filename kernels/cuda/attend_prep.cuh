@@ -123,7 +123,10 @@ __device__ inline void WriteQueryMeta(const LaunchArgs& a, int head_idx, float m
 // scalar path when R_K is not 16-byte aligned) and all issued before the
 // first product; the slices are summed in shared memory. Then it writes the
 // head's unrotated scaled query (qexact), its meta (digit-scale multiplier,
-// per-group Σq') and its columns of the query fragments.
+// per-group Σq') and its columns of the query fragments. (D = 256: 1024
+// threads leave 64 registers each, and ptxas spills part of the 16 float4
+// rows, 160 bytes; measured correct on the H200, not timed. Loading the rows
+// in two batches at 512 threads would avoid it.)
 constexpr int PrepThreads(int d) { return d <= 128 ? 2 * d : 4 * d; }
 
 template <int D, bool G8>

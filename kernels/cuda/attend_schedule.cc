@@ -78,14 +78,15 @@ absl::Status CheckAttendBatch(const AttendBatch& b) {
 
 namespace {
 
-// The unit sizes with fold_exact = fold && the history is not light.
+// The unit sizes, with the exact blocks of items with history folded onto
+// their history units or not.
 UnitSizes SizeUnits(const AttendItem* items, int n, int H, long capacity, bool fold_exact) {
   UnitSizes u;
   capacity = std::max<long>(1, capacity);
   long total_pages = 0;
   for (int i = 0; i < n; ++i) total_pages += items[i].num_pages;
   const bool light_history = total_pages * H <= kLightPagesPerUnit * capacity;
-  u.fold_exact = fold_exact && !light_history;
+  u.fold_exact = fold_exact;
   // Items whose exact blocks take exact units of their own.
   auto exact_only = [&](int i) {
     return items[i].num_exact > 0 && (!u.fold_exact || items[i].num_pages == 0);

@@ -37,7 +37,7 @@ inline constexpr long kLightPagesPerUnit = 16;
 // Whether the exact blocks of items with history ride on their history units.
 enum class FoldExact {
   kAuto,    // when the history units would hold >= kFoldPagesPerUnit pages each
-  kAlways,  // whenever the history is not light
+  kAlways,  // always (tests and benchmarks)
   kNever,   // exact units of their own at every length
 };
 
@@ -55,11 +55,12 @@ inline constexpr long kFoldPagesPerUnit = 256;
 // most capacity / 4 of the wave when the history is light (they are short
 // chains of dependent loads and the critical path), else capacity / 8;
 // history units (item, kv head, up to pages_per_unit pages) the rest. When
-// the exact blocks fold (see FoldExact), the history units take the whole
-// wave and each (item, kv head)'s exact blocks are spread over its first
-// history units, which run them after their pages; only items without
-// history keep exact units (exact units of their own would sit idle once
-// done, for most of a long call: 16 % of the wave at B8 64K).
+// the exact blocks fold (see FoldExact), each (item, kv head)'s exact blocks
+// are spread over its first history units, which run them after their
+// pages, and only items without history keep exact units; the history units
+// take the rest of the wave, which is all of it when every item has history
+// (exact units of their own would sit idle once done, for most of a long
+// call: 16 % of the wave at B8 64K).
 UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity,
                           FoldExact fold = FoldExact::kAuto);
 

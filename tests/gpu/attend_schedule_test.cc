@@ -151,9 +151,13 @@ TEST(AttendSchedule, LongHistoryUnitsTakeTheWholeWaveAndCarryTheExactBlocks) {
   EXPECT_EQ(b.exact_units, 8 * 3);
   CheckPlan({batch, 8, 396});
   EXPECT_FALSE(SizeAttendUnits(batch.data(), 9, 8, 396, FoldExact::kNever).fold_exact);
-  // Light history never folds.
+  // Light history folds only when forced.
   const AttendItem light = Item(246, 10);
-  EXPECT_FALSE(SizeAttendUnits(&light, 1, 8, 396, FoldExact::kAlways).fold_exact);
+  EXPECT_FALSE(SizeAttendUnits(&light, 1, 8, 396).fold_exact);
+  const UnitSizes f = SizeAttendUnits(&light, 1, 8, 396, FoldExact::kAlways);
+  EXPECT_TRUE(f.fold_exact);
+  EXPECT_EQ(f.exact_units, 0);
+  CheckPlan({{light}, 8, 396, FoldExact::kAlways});
   EXPECT_EQ(FoldedExactSplits(10, 4), 4);  // 3 + 3 + 3 + 1
   EXPECT_EQ(FoldedExactSplits(9, 6), 5);   // 2 x 4 + 1
   EXPECT_EQ(FoldedExactSplits(0, 6), 0);

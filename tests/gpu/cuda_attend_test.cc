@@ -289,18 +289,23 @@ TEST(CudaAttendDefaults, Qwen3ShapeWithDefaultTiersMatchesReference) {
   EXPECT_LT(e.lse_gpu_ref, 1e-4);
 }
 
-// Exact blocks riding on the history units (forced: by default they do only
-// from kFoldPagesPerUnit pages per unit, far longer than a test can afford):
-// batches with enough history not to be light (> 16 x 396 (item, kv head,
-// page) triples on an H200), next to items short enough to have no history
-// at all (those keep exact units of their own).
+// Exact blocks riding on the history units (forced with
+// OSCARKV_CUDA_ATTEND_FOLD=1: by default they do only from kFoldPagesPerUnit
+// pages per unit, far longer than a test can afford): batches with so much
+// history that the default schedule would not count it as light either
+// (> 16 x 396 (item, kv head, page) triples on an H200), next to items short
+// enough to have no history at all (those keep exact units of their own).
 TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReference) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   setenv("OSCARKV_CUDA_ATTEND_FOLD", "1", 1);
   auto folded = CreateCudaBackend(0);
   unsetenv("OSCARKV_CUDA_ATTEND_FOLD");
   ASSERT_TRUE(folded.ok()) << folded.status();
-  Backend* const shared = gpu;
+  // RunConfig runs on `gpu`: point it at the folding backend for this test.
+  struct Restore {
+    Backend* shared;
+    ~Restore() { gpu = shared; }
+  } restore{gpu};
   gpu = folded->get();
   const Config configs[] = {
       {128, 4, 128, 8, 64, 256, 32, false, {100, 300, 28000}},
@@ -316,7 +321,6 @@ TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReferen
     EXPECT_LT(e.gpu_cpu, 1e-4);
     EXPECT_LT(e.lse_gpu_ref, 1e-4);
   }
-  gpu = shared;
 }
 
 TEST(CudaAttendLimits, UnsupportedShapesAndBadItemsGiveAClearStatus) {

@@ -3,6 +3,7 @@
 // HTTP, and a graceful exit on SIGTERM; the demo client against it when the
 // server refuses its prefill.
 #include <arpa/inet.h>
+#include <fcntl.h>
 #include <netinet/in.h>
 #include <poll.h>
 #include <signal.h>
@@ -224,7 +225,7 @@ ChildResult RunWithDeadline(std::vector<std::string> args, std::chrono::seconds 
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   int fds[2];
-  if (pipe(fds) != 0) return r;
+  if (pipe2(fds, O_CLOEXEC) != 0) return r;
   posix_spawn_file_actions_t actions;
   posix_spawn_file_actions_init(&actions);
   posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
@@ -249,13 +250,13 @@ ChildResult RunWithDeadline(std::vector<std::string> args, std::chrono::seconds 
     }
   }
   int status = 0;
-  while (std::chrono::steady_clock::now() < deadline) {
+  do {  // at least once, also when the output ended right at the deadline
     if (waitpid(pid, &status, WNOHANG) == pid) {
       r.exited = true;
       break;
     }
     std::this_thread::sleep_for(std::chrono::milliseconds(20));
-  }
+  } while (std::chrono::steady_clock::now() < deadline);
   if (!r.exited) {
     kill(pid, SIGKILL);
     waitpid(pid, &status, 0);
