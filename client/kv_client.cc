@@ -1,5 +1,7 @@
 #include "client/kv_client.h"
 
+#include "client/kv_chunk.h"
+
 #include <algorithm>
 #include <thread>
 
@@ -9,27 +11,6 @@
 #include "kernels/status_macros.h"
 
 namespace oscarkv {
-
-namespace {
-
-// The AppendKv request for n tokens of one layer (layer >= 0) or all (-1).
-v1::AppendKvRequest AppendRequest(const std::string& id, const ModelLayout& layout, int layer,
-                                  int64_t start_token, int64_t n, const bf16_bits* k,
-                                  const bf16_bits* v) {
-  v1::AppendKvRequest req;
-  req.set_sequence_id(id);
-  v1::KvChunk* c = req.mutable_chunk();
-  const int layers = layer < 0 ? layout.num_layers : 1;
-  const size_t bytes = size_t(layers) * n * layout.num_kv_heads * layout.head_dim * 2;
-  c->set_layer(layer);
-  c->set_start_token(start_token);
-  c->set_num_tokens(static_cast<int32_t>(n));
-  c->set_k(reinterpret_cast<const char*>(k), bytes);
-  c->set_v(reinterpret_cast<const char*>(v), bytes);
-  return req;
-}
-
-}  // namespace
 
 absl::Status FromGrpcStatus(const grpc::Status& status) {
   if (status.ok()) return absl::OkStatus();
@@ -89,7 +70,9 @@ absl::StatusOr<int64_t> KvClient::Append(const std::string& sequence_id,
                                          const ModelLayout& layout, int layer,
                                          int64_t start_token, int64_t n, const bf16_bits* k,
                                          const bf16_bits* v) {
-  v1::AppendKvRequest req = AppendRequest(sequence_id, layout, layer, start_token, n, k, v);
+  v1::AppendKvRequest req;
+  req.set_sequence_id(sequence_id);
+  FillKvChunk(layout, layer, start_token, n, k, v, req.mutable_chunk());
   v1::AppendKvResponse resp;
   // Sent at most once (see WithRetry).
   OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {

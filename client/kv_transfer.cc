@@ -4,6 +4,7 @@
 #include <thread>
 
 #include "absl/strings/str_cat.h"
+#include "client/kv_chunk.h"
 #include "client/kv_client.h"
 #include "kernels/status_macros.h"
 
@@ -37,15 +38,8 @@ void PutStream::Cancel() {
 absl::Status PutStream::Write(int layer, int64_t start_token, int64_t n, const bf16_bits* k,
                               const bf16_bits* v) {
   if (done_) return absl::FailedPreconditionError("PutStream already finished");
-  const int layers = layer < 0 ? layout_.num_layers : 1;
-  const size_t bytes = size_t(layers) * n * RowElems(layout_) * sizeof(bf16_bits);
   v1::PutKvRequest req;
-  v1::KvChunk* c = req.mutable_chunk();
-  c->set_layer(layer);
-  c->set_start_token(start_token);
-  c->set_num_tokens(static_cast<int32_t>(n));
-  c->set_k(reinterpret_cast<const char*>(k), bytes);
-  c->set_v(reinterpret_cast<const char*>(v), bytes);
+  const size_t bytes = FillKvChunk(layout_, layer, start_token, n, k, v, req.mutable_chunk());
   if (!writer_->Write(req)) {
     // The server ended the stream (an error status is waiting in Finish()).
     done_ = true;
