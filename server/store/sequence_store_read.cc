@@ -79,14 +79,18 @@ absl::Status SequenceStore::Attend(SequenceHandle& seq, int layer, const float* 
 }
 
 absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
-  // Staging layout per task: q [Hq*D], out [Hq*D], lse [Hq] floats.
-  std::vector<size_t> offset(tasks.size());
-  size_t floats = 0;
+  // Staging layout: every task's q [Hq*D] (the region uploaded), then every
+  // task's out [Hq*D] and lse [Hq] (the region downloaded), floats.
+  std::vector<size_t> q_offset(tasks.size()), out_offset(tasks.size());
+  size_t q_floats = 0, out_floats = 0;
   for (size_t i = 0; i < tasks.size(); ++i) {
     const ModelLayout& l = (*tasks[i].seq)->model().layout;
-    offset[i] = floats;
-    floats += 2 * size_t(l.num_q_heads) * l.head_dim + size_t(l.num_q_heads);
+    q_offset[i] = q_floats;
+    out_offset[i] = out_floats;
+    q_floats += size_t(l.num_q_heads) * l.head_dim;
+    out_floats += size_t(l.num_q_heads) * l.head_dim + size_t(l.num_q_heads);
   }
+  const size_t floats = q_floats + out_floats;
   if (floats == 0) return absl::OkStatus();
   OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer staging, TakeStaging(floats * sizeof(float)));
   float* base = staging.as<float>();
@@ -149,14 +153,17 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     }();
   }
   // The queries of all items in one upload (one device round trip per call,
-  // not one per item), and below, all outputs in one download.
-  std::vector<float> host(floats);
+  // not one per item), and below, all outputs in one download. Host staging
+  // for the larger of the two regions; not zero-filled (only what is copied
+  // in is read).
+  std::unique_ptr<float[]> host(new float[std::max(q_floats, out_floats)]);
   for (size_t i = 0; i < tasks.size(); ++i) {
     if (!tasks[i].status.ok()) continue;
     const ModelLayout& l = (*tasks[i].seq)->model().layout;
-    std::copy_n(tasks[i].q, size_t(l.num_q_heads) * l.head_dim, host.data() + offset[i]);
+    std::copy_n(tasks[i].q, size_t(l.num_q_heads) * l.head_dim, host.get() + q_offset[i]);
   }
-  if (const absl::Status up = backend_->CopyToDevice(base, host.data(), floats * sizeof(float));
+  float* const out_base = base + q_floats;
+  if (const absl::Status up = backend_->CopyToDevice(base, host.get(), q_floats * sizeof(float));
       !up.ok()) {
     for (AttendTask& t : tasks) {
       if (t.status.ok()) t.status = up;
@@ -176,9 +183,9 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     for (size_t i = 0; i < tasks.size(); ++i) {
       if (models[i] != m || !tasks[i].status.ok()) continue;
       AttendItem item;
-      item.q = base + offset[i];
-      item.out = base + offset[i] + qf;
-      item.lse = base + offset[i] + 2 * qf;
+      item.q = base + q_offset[i];
+      item.out = out_base + out_offset[i];
+      item.lse = out_base + out_offset[i] + qf;
       item.rotation = m->codecs[tasks[i].layer].rotation;
       item.exact = refs[i].exact.data();
       item.num_exact = static_cast<int>(refs[i].exact.size());
@@ -200,7 +207,8 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
   bool any_ok = false;
   for (const AttendTask& t : tasks) any_ok = any_ok || t.status.ok();
   if (any_ok) {
-    const absl::Status down = backend_->CopyToHost(host.data(), base, floats * sizeof(float));
+    const absl::Status down =
+        backend_->CopyToHost(host.get(), out_base, out_floats * sizeof(float));
     for (size_t i = 0; i < tasks.size(); ++i) {
       AttendTask& t = tasks[i];
       if (!t.status.ok()) continue;
@@ -210,8 +218,8 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
       }
       const ModelLayout& l = (*t.seq)->model().layout;
       const size_t qf = size_t(l.num_q_heads) * l.head_dim;
-      std::copy_n(host.data() + offset[i] + qf, qf, t.out);
-      if (t.lse) std::copy_n(host.data() + offset[i] + 2 * qf, size_t(l.num_q_heads), t.lse);
+      std::copy_n(host.get() + out_offset[i], qf, t.out);
+      if (t.lse) std::copy_n(host.get() + out_offset[i] + qf, size_t(l.num_q_heads), t.lse);
     }
   }
   locks.clear();
