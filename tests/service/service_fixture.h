@@ -84,6 +84,17 @@ struct KvData {
   size_t row() const { return size_t(layout.num_kv_heads) * layout.head_dim; }
   const bf16_bits* k_at(int layer, int64_t t) const { return k.data() + (size_t(layer) * tokens + t) * row(); }
   const bf16_bits* v_at(int layer, int64_t t) const { return v.data() + (size_t(layer) * tokens + t) * row(); }
+  // The first n tokens of every layer.
+  KvData Prefix(int64_t n) const {
+    KvData p;
+    p.layout = layout;
+    p.tokens = n;
+    for (int l = 0; l < layout.num_layers; ++l) {
+      p.k.insert(p.k.end(), k_at(l, 0), k_at(l, n));
+      p.v.insert(p.v.end(), v_at(l, 0), v_at(l, n));
+    }
+    return p;
+  }
 };
 
 inline KvData MakeKv(const ModelLayout& layout, int64_t tokens, uint64_t seed) {

@@ -100,12 +100,10 @@ TEST(Service, AppendAcrossDemotionBoundaryKeepsTiersAndAttention) {
   const ModelLayout layout = TinyLayout();
   const KvData data = MakeKv(layout, 60, 3);
   // 30 tokens: below S0 + W + P = 32, so no history yet.
-  std::vector<bf16_bits> k30, v30;
-  for (int l = 0; l < 2; ++l) {
-    k30.insert(k30.end(), data.k_at(l, 0), data.k_at(l, 30));
-    v30.insert(v30.end(), data.v_at(l, 0), data.v_at(l, 30));
-  }
-  ASSERT_TRUE(ts.client->PutSequence("a", kTinyModel, layout, 30, k30.data(), v30.data()).ok());
+  const KvData first30 = data.Prefix(30);
+  ASSERT_TRUE(
+      ts.client->PutSequence("a", kTinyModel, layout, 30, first30.k.data(), first30.v.data())
+          .ok());
   auto st = ts.client->Stat("a");
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->history_tokens(), 0);
@@ -165,13 +163,13 @@ TEST(Service, OneAttendMessageMixesSequencesLayersAppendsAndErrors) {
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
   const KvData data = MakeKv(layout, 61, 12);
-  std::vector<bf16_bits> k60, v60;
-  for (int l = 0; l < 2; ++l) {
-    k60.insert(k60.end(), data.k_at(l, 0), data.k_at(l, 60));
-    v60.insert(v60.end(), data.v_at(l, 0), data.v_at(l, 60));
-  }
-  ASSERT_TRUE(ts.client->PutSequence("m1", kTinyModel, layout, 60, k60.data(), v60.data()).ok());
-  ASSERT_TRUE(ts.client->PutSequence("m2", kTinyModel, layout, 60, k60.data(), v60.data()).ok());
+  const KvData first60 = data.Prefix(60);
+  ASSERT_TRUE(
+      ts.client->PutSequence("m1", kTinyModel, layout, 60, first60.k.data(), first60.v.data())
+          .ok());
+  ASSERT_TRUE(
+      ts.client->PutSequence("m2", kTinyModel, layout, 60, first60.k.data(), first60.v.data())
+          .ok());
   ASSERT_TRUE(ts.client->PutSequence("ref", kTinyModel, layout, 61, data.k.data(), data.v.data()).ok());
   const std::vector<float> q = RandomQuery(layout, 4);
   // m1: append token 60 on both layers (same sequence twice in one message),
@@ -212,12 +210,10 @@ TEST(Service, FusedAppendsThatDemoteInOneMessageAttendTheFinalCache) {
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();  // S0 8, W 16, P 8: demotion at 32 tokens
   const KvData data = MakeKv(layout, 32, 21);
-  std::vector<bf16_bits> k30, v30;
-  for (int l = 0; l < 2; ++l) {
-    k30.insert(k30.end(), data.k_at(l, 0), data.k_at(l, 30));
-    v30.insert(v30.end(), data.v_at(l, 0), data.v_at(l, 30));
-  }
-  ASSERT_TRUE(ts.client->PutSequence("d", kTinyModel, layout, 30, k30.data(), v30.data()).ok());
+  const KvData first30 = data.Prefix(30);
+  ASSERT_TRUE(
+      ts.client->PutSequence("d", kTinyModel, layout, 30, first30.k.data(), first30.v.data())
+          .ok());
   ASSERT_TRUE(ts.client->PutSequence("ref", kTinyModel, layout, 32, data.k.data(), data.v.data()).ok());
   const std::vector<float> q = RandomQuery(layout, 9);
   auto r = ts.client->Attend({{"d", 0, q.data(), data.k_at(0, 30), data.v_at(0, 30), 30},
