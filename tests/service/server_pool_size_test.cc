@@ -87,6 +87,50 @@ TEST(PoolSize, FractionOutsideZeroOneIsInvalidArgument) {
   }
 }
 
+// A backend that keeps Backend's default AvailableBytes (it cannot tell its
+// free memory); everything else is the CPU backend's.
+class BackendWithoutMemoryReport final : public Backend {
+ public:
+  std::string name() const override { return "opaque"; }
+  std::string description() const override { return "opaque (cpu inside)"; }
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return cpu_.Allocate(bytes); }
+  absl::Status CopyToDevice(void* d, const void* s, size_t n) override {
+    return cpu_.CopyToDevice(d, s, n);
+  }
+  absl::Status CopyToHost(void* d, const void* s, size_t n) override {
+    return cpu_.CopyToHost(d, s, n);
+  }
+  absl::Status CopyOnDevice(void* d, const void* s, size_t n) override {
+    return cpu_.CopyOnDevice(d, s, n);
+  }
+  absl::Status EncodePages(const PageGeometry& g, const EncodeJob* j, int n) override {
+    return cpu_.EncodePages(g, j, n);
+  }
+  absl::Status DecodePages(const PageGeometry& g, const DecodeJob* j, int n) override {
+    return cpu_.DecodePages(g, j, n);
+  }
+  absl::Status Attend(const AttendBatch& b) override { return cpu_.Attend(b); }
+
+ private:
+  CpuBackend cpu_{1};
+};
+
+TEST(PoolSize, FractionOfABackendThatCannotReportItsMemoryIsUnimplemented) {
+  BackendWithoutMemoryReport backend;
+  ServerOptions o;
+  o.pool_fraction = 0.5;
+  auto bytes = ResolvePoolBytes(o, backend, nullptr);
+  EXPECT_EQ(bytes.status().code(), absl::StatusCode::kUnimplemented);
+  EXPECT_THAT(std::string(bytes.status().message()),
+              HasSubstr("backend opaque cannot report its available memory; give the pool size "
+                        "in bytes"));
+  o.pool_fraction = 0;
+  o.pool_bytes = size_t{1} << 20;  // bytes need no report
+  auto given = ResolvePoolBytes(o, backend, nullptr);
+  ASSERT_TRUE(given.ok()) << given.status();
+  EXPECT_EQ(*given, size_t{1} << 20);
+}
+
 TEST(PoolSize, ServerSizesItsPoolFromTheBackendsMemory) {
   ServerOptions o = TinyServerOptions();
   o.tiers = TierConfig{32, 64, 32};  // pages of 32 tokens: the CUDA backend serves them too
