@@ -80,11 +80,15 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   // read before waiting for it.
   const WorkUnit wu = a.work[blockIdx.x];
   const ItemPlan& item = a.items[wu.item];
-  if (lane < HG) {
-    sm_m[warp][lane] = -INFINITY;
-    sm_l[warp][lane] = 0.0f;
-  }
-  __syncwarp();
+  // This warp's (m, l) of every head: "no tokens", for warps that get none.
+  auto clear_warp_state = [&] {
+    if (lane < HG) {
+      sm_m[warp][lane] = -INFINITY;
+      sm_l[warp][lane] = 0.0f;
+    }
+    __syncwarp();
+  };
+  clear_warp_state();
   const bool has_history = wu.partial >= 0, has_exact = wu.exact_partial >= 0;
   if (has_history && has_exact) PrefetchExactRowsL2<D>(a, item, wu);
   if (has_history) {
@@ -181,11 +185,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   if (has_exact) {
     if (has_history) {
       __syncthreads();  // every thread is done reading the history partial's state
-      if (lane < HG) {
-        sm_m[warp][lane] = -INFINITY;
-        sm_l[warp][lane] = 0.0f;
-      }
-      __syncwarp();
+      clear_warp_state();
     }
     // Exact blocks [exact_begin, exact_end); each block's tokens split over
     // the 4 warps, in steps of Ex::kTokensPerStep tokens. The block references
