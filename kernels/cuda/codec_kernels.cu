@@ -4,6 +4,7 @@
 #include <cuda_fp16.h>
 #include <mma.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
@@ -38,8 +39,7 @@ struct EncodeShape {
   static constexpr size_t kXBytes = size_t(M) * LDX * 2;
   static constexpr size_t kRBytes = size_t(D) * LDR * 2;
   static constexpr size_t kYBytes = size_t(M) * LDY * 4;
-  static constexpr size_t kQBytes = size_t(kEncodeWarps) * D;
-  static constexpr size_t kSmem = kXBytes + 3 * kRBytes + kYBytes + kQBytes + 2 * M * 4;
+  static constexpr size_t kSmem = kXBytes + 3 * kRBytes + kYBytes + 2 * M * 4;
 };
 
 __device__ __forceinline__ int DeviceClipRank(float ratio, int n) {
@@ -51,53 +51,97 @@ __device__ __forceinline__ const float* RowRotation(const RotationRef& r, int ki
   return (kind == 0 ? r.r_k : r.r_v) + r.stride * h;
 }
 
+// Sorts n unsigned values in registers, largest first (an unrolled exchange
+// network; n is a lane's element count, 2..8).
+template <int N>
+__device__ __forceinline__ void SortDescending(uint32_t (&a)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+#pragma unroll
+    for (int j = (i & 1); j + 1 < N; j += 2) {
+      const uint32_t hi = max(a[j], a[j + 1]), lo = min(a[j], a[j + 1]);
+      a[j] = hi;
+      a[j + 1] = lo;
+    }
+  }
+}
+
+// The clip threshold's rank from the top for head dim D: the ClipRank-th
+// smallest |y| is the (D - k + 1)-th largest; 0 for ratios >= 1 (no clipping).
+__device__ __forceinline__ int ClipTopRank(float clip, int dim) {
+  return clip < 1.0f ? dim - DeviceClipRank(clip, dim) + 1 : 0;
+}
+
 // Clip thresholds of R rotated rows held in shared memory; one warp, the R
-// searches interleaved so their reductions overlap. tau = the k-th smallest
-// |y| (1-based, k = ClipRank), found by a bitwise search on the float bits of
-// |y| (monotone for non-negative floats): exactly nth_element's answer.
-// Rows with clip >= 1 get tau = +inf (no clipping).
+// searches interleaved so their reductions overlap. tau = the top-th largest
+// |y| (top from ClipTopRank), found on the float bits of |y| (monotone for
+// non-negative floats): exactly nth_element's answer. Rows with top = 0 get
+// tau = +inf (no clipping).
 template <int D, int R>
-__device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const float (&clip)[R],
+__device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&top)[R],
                                    float (&tau)[R], int lane) {
   constexpr int E = D / 32;
   uint32_t u[R][E], x[R];
-  int k[R];
+  int max_top = 0;
 #pragma unroll
   for (int r = 0; r < R; ++r) {
 #pragma unroll
     for (int i = 0; i < E; ++i) u[r][i] = __float_as_uint(fabsf(yrows[r][lane + 32 * i]));
-    k[r] = DeviceClipRank(clip[r] < 1.0f ? clip[r] : 1.0f, D);
     x[r] = 0;
-  }
-  // Rank from the top: the k-th smallest is the (D - k + 1)-th largest. For the
-  // usual ratios (0.9..1) that is a handful of elements: extract maxima one
-  // at a time (one integer max-reduction each; |y| bits order like the floats).
-  int top[R], max_top = 0;
-#pragma unroll
-  for (int r = 0; r < R; ++r) {
-    top[r] = clip[r] < 1.0f ? D - k[r] + 1 : 0;
     max_top = max(max_top, top[r]);
   }
+  // For the usual ratios (0.9..1) top is a handful of elements: each lane
+  // sorts its E values (largest first), then every round takes the warp's
+  // largest value left (one integer max-reduction: |y| bits order like the
+  // floats) and the lanes holding it drop their head. Without repeated values
+  // among the largest, round `top` yields the answer; a repeat makes a round
+  // drop several at once, so the result is checked (#(> x) < top <= #(>= x))
+  // and rows that fail take rounds that count what they drop, a run of equal
+  // values per round, as the CPU's MthLargest does.
   if (kUseMaxExtraction && max_top <= kMaxExtraction) {
+#pragma unroll
+    for (int r = 0; r < R; ++r) SortDescending<E>(u[r]);
     for (int it = 0; it < max_top; ++it) {
 #pragma unroll
       for (int r = 0; r < R; ++r) {
-        if (it >= top[r]) continue;
-        uint32_t lm = u[r][0];
-#pragma unroll
-        for (int i = 1; i < E; ++i) lm = max(lm, u[r][i]);
-        const uint32_t gm = __reduce_max_sync(0xffffffffu, lm);
+        if (it >= top[r]) continue;  // warp-uniform
+        const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);
         x[r] = gm;
-        // Remove one occurrence of the maximum (first lane, first element).
-        const unsigned holders = __ballot_sync(0xffffffffu, lm == gm);
-        if (lane == __ffs(holders) - 1) {
-          bool removed = false;
+        if (u[r][0] == gm) {
 #pragma unroll
-          for (int i = 0; i < E; ++i) {
-            if (!removed && u[r][i] == gm) {
-              u[r][i] = 0;
-              removed = true;
-            }
+          for (int i = 0; i + 1 < E; ++i) u[r][i] = u[r][i + 1];
+          u[r][E - 1] = 0;
+        }
+      }
+    }
+    bool recount = false;
+    bool wrong[R];
+#pragma unroll
+    for (int r = 0; r < R; ++r) {
+      int counts = 0;  // #(> x) in the low half, #(>= x) in the high half
+#pragma unroll
+      for (int i = 0; i < E; ++i) {
+        u[r][i] = __float_as_uint(fabsf(yrows[r][lane + 32 * i]));
+        counts += (u[r][i] > x[r] ? 1 : 0) + (u[r][i] >= x[r] ? 0x10000 : 0);
+      }
+      counts = __reduce_add_sync(0xffffffffu, counts);
+      wrong[r] = top[r] > 0 && !((counts & 0xffff) < top[r] && (counts >> 16) >= top[r]);
+      recount = recount || wrong[r];
+    }
+    if (recount) {  // warp-uniform; rare (equal values among the largest)
+#pragma unroll
+      for (int r = 0; r < R; ++r) {
+        if (!wrong[r]) continue;
+        SortDescending<E>(u[r]);
+        for (int found = 0; found < top[r];) {
+          const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);
+          const bool hit = u[r][0] == gm;
+          found += __popc(__ballot_sync(0xffffffffu, hit));
+          x[r] = gm;
+          if (hit) {
+#pragma unroll
+            for (int i = 0; i + 1 < E; ++i) u[r][i] = u[r][i + 1];
+            u[r][E - 1] = 0;
           }
         }
       }
@@ -111,76 +155,77 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const float (
 #pragma unroll
         for (int i = 0; i < E; ++i) cnt += u[r][i] < t ? 1 : 0;
         cnt = __reduce_add_sync(0xffffffffu, cnt);
-        if (cnt < k[r]) x[r] = t;
+        if (cnt < D - top[r] + 1) x[r] = t;  // fewer than k values below t
       }
     }
   }
 #pragma unroll
-  for (int r = 0; r < R; ++r) tau[r] = clip[r] < 1.0f ? __uint_as_float(x[r]) : INFINITY;
+  for (int r = 0; r < R; ++r) tau[r] = top[r] > 0 ? __uint_as_float(x[r]) : INFINITY;
+}
+
+// A float's bits as a signed integer of the same order (for the integer
+// warp reductions), and back.
+__device__ __forceinline__ int FloatToOrdered(float f) {
+  const int b = __float_as_int(f);
+  return b >= 0 ? b : b ^ 0x7fffffff;
+}
+__device__ __forceinline__ float OrderedToFloat(int b) {
+  return __int_as_float(b >= 0 ? b : b ^ 0x7fffffff);
 }
 
 // Clamp to [-tau, tau], quantize and pack one rotated row held in shared
-// memory; one warp. Lane owns elements lane + 32 i. The group's (scale, min)
-// are computed once per group a lane holds (hardware fp16 conversion, round
-// to nearest even: the same bits as the CPU's FloatToFp16 for finite values),
-// and for D >= 128 each lane packs whole code bytes itself: byte j holds
-// elements j + k·D/4, which are the lane's own (no shared memory).
-template <int D>
-__device__ void QuantizeRowWarp(const float* yrow, int group, float tau, uint8_t* codes_out,
-                                QuantParams* params_out, uint8_t* q, int lane) {
+// memory; one warp, group size G a compile-time power of two. Lane owns
+// elements lane + 32 i. Each group's (scale, min) is computed once per lane
+// that holds part of it (hardware fp16 conversion, round to nearest even: the
+// same bits as the CPU's FloatToFp16 for finite values). Code byte j holds
+// elements j + k·D/4: for D >= 128 those are the lane's own elements; for
+// D = 64, lane j < 16 takes two of them from lane j + 16.
+template <int D, int G>
+__device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out,
+                                QuantParams* params_out, int lane) {
   constexpr int E = D / 32;
+  constexpr int kPer = G > 32 ? G / 32 : 1;  // a lane's elements per group (G >= 32)
+  constexpr int kLaneGroups = E / kPer;     // groups a lane holds part of
+  static_assert(G >= 4 && G <= D && (G & (G - 1)) == 0, "G: a power of two dividing D");
   float y[E];
 #pragma unroll
   for (int i = 0; i < E; ++i) y[i] = fminf(fmaxf(yrow[lane + 32 * i], -tau), tau);
 
-  // Group min / max. Element lane + 32 i lies in group (lane + 32 i) / G:
-  // elements i and i' of a lane share a group when G > 32 and i / per ==
-  // i' / per, so those are combined in the lane first (element i % per == 0
-  // carries the group), then across the lanes of a group segment.
-  float mn[E], mx[E];
+  float loq[kLaneGroups], inv[kLaneGroups];
 #pragma unroll
-  for (int i = 0; i < E; ++i) mn[i] = mx[i] = y[i];
-  const int per = group > 32 ? group / 32 : 1;
-  if (per > 1) {
+  for (int gl = 0; gl < kLaneGroups; ++gl) {
+    float mn = y[gl * kPer], mx = mn;
 #pragma unroll
-    for (int i = 0; i < E; ++i) {
-      if (i % per != 0) continue;
+    for (int j = 1; j < kPer; ++j) {
+      mn = fminf(mn, y[gl * kPer + j]);
+      mx = fmaxf(mx, y[gl * kPer + j]);
+    }
+    if constexpr (G >= 32) {
+      // The group spans the whole warp: one integer min / max reduction each,
+      // on float bits mapped to integers of the same order.
+      mn = OrderedToFloat(__reduce_min_sync(0xffffffffu, FloatToOrdered(mn)));
+      mx = OrderedToFloat(__reduce_max_sync(0xffffffffu, FloatToOrdered(mx)));
+    } else {
 #pragma unroll
-      for (int j = 1; j < E; ++j) {
-        if (j < per && i + j < E) {
-          mn[i] = fminf(mn[i], mn[i + j]);
-          mx[i] = fmaxf(mx[i], mx[i + j]);
-        }
+      for (int off = G / 2; off >= 1; off >>= 1) {
+        mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
       }
     }
+    const float sc = fmaxf(__fsub_rn(mx, mn), kMinRange) / 3.0f;
+    const __half s_h = __float2half_rn(sc), lo_h = __float2half_rn(mn);
+    const float sq = __half2float(s_h);
+    loq[gl] = __half2float(lo_h);
+    inv[gl] = sq > 0.0f ? 1.0f / sq : 0.0f;
+    // Element lane + 32 i (i = gl·kPer) is its group's first on one lane only.
+    const int e = lane + 32 * gl * kPer;
+    if (e % G == 0) params_out[e / G] = QuantParams{__half_as_ushort(s_h), __half_as_ushort(lo_h)};
   }
-  const int seg = group < 32 ? group : 32;
-  for (int off = seg / 2; off >= 1; off >>= 1) {
-#pragma unroll
-    for (int i = 0; i < E; ++i) {
-      if (i % per != 0) continue;
-      mn[i] = fminf(mn[i], __shfl_xor_sync(0xffffffffu, mn[i], off));
-      mx[i] = fmaxf(mx[i], __shfl_xor_sync(0xffffffffu, mx[i], off));
-    }
-  }
-
   uint32_t c[E];
-  float loq = 0.0f, inv = 0.0f;
 #pragma unroll
   for (int i = 0; i < E; ++i) {
-    if (i % per == 0) {  // first element of a group this lane holds
-      const float lo = mn[i], hi = mx[i];
-      const float s = fmaxf(__fsub_rn(hi, lo), kMinRange) / 3.0f;
-      const __half s_h = __float2half_rn(s), lo_h = __float2half_rn(lo);
-      const float sq = __half2float(s_h);
-      loq = __half2float(lo_h);
-      inv = sq > 0.0f ? 1.0f / sq : 0.0f;
-      const int e = lane + 32 * i;
-      if (e % group == 0) {
-        params_out[e / group] = QuantParams{__half_as_ushort(s_h), __half_as_ushort(lo_h)};
-      }
-    }
-    const float cf = fminf(fmaxf(rintf(__fmul_rn(__fsub_rn(y[i], loq), inv)), 0.0f), 3.0f);
+    const int gl = i / kPer;
+    const float cf = fminf(fmaxf(rintf(__fmul_rn(__fsub_rn(y[i], loq[gl]), inv[gl])), 0.0f), 3.0f);
     c[i] = static_cast<uint32_t>(cf);
   }
   if constexpr (D >= 128) {
@@ -194,14 +239,10 @@ __device__ void QuantizeRowWarp(const float* yrow, int group, float tau, uint8_t
       codes_out[lane + 32 * b] = static_cast<uint8_t>(byte);
     }
   } else {
-#pragma unroll
-    for (int i = 0; i < E; ++i) q[lane + 32 * i] = static_cast<uint8_t>(c[i]);
-    __syncwarp();
-    constexpr int kQuarter = D / 4;
-    for (int j = lane; j < kQuarter; j += 32) {
-      codes_out[j] = PackCodes4(q[j], q[j + kQuarter], q[j + 2 * kQuarter], q[j + 3 * kQuarter]);
-    }
-    __syncwarp();
+    static_assert(D == 64, "D = 64: byte j < 16 holds elements j, j + 16, j + 32, j + 48");
+    const uint32_t mine = c[0] | (c[1] << 4);  // elements lane, lane + 32
+    const uint32_t upper = __shfl_down_sync(0xffffffffu, mine, 16);  // lane + 16, lane + 48
+    if (lane < 16) codes_out[lane] = static_cast<uint8_t>(mine | (upper << 2));
   }
 }
 
@@ -212,18 +253,26 @@ __device__ __forceinline__ int WarpIndex() {
   return __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x) >> 5, 0);
 }
 
+}  // namespace
+}  // namespace oscarkv
+
+#include "kernels/cuda/encode_strips.cuh"
+
+namespace oscarkv {
+namespace {
+
 // Per-row metadata of one tile, computed once per tile.
 struct EncodeRow {
   const bf16_bits* src;  // the row's first element (kind, head)
   const float* rot;      // its rotation
   uint8_t* codes;        // destination code row
   QuantParams* params;   // destination params row
-  float clip;
+  int top;  // clip rank from the top (ClipTopRank)
   int done;
 };
 
 // grid.x: chunks of kEncodeTilesPerBlock*M rows over (job, token); grid.y: head*2 + kind.
-template <int D>
+template <int D, int G>
 __global__ void __launch_bounds__(kEncodeThreads, 1)
     EncodeKernel(PageGeometry geom, const EncodeJob* __restrict__ jobs, int num_jobs) {
   using S = EncodeShape<D>;
@@ -234,7 +283,6 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
   bf16* rmid = reinterpret_cast<bf16*>(smem + S::kXBytes + S::kRBytes);
   bf16* rlo = reinterpret_cast<bf16*>(smem + S::kXBytes + 2 * S::kRBytes);
   float* ys = reinterpret_cast<float*>(smem + S::kXBytes + 3 * S::kRBytes);
-  uint8_t* qs = smem + S::kXBytes + 3 * S::kRBytes + S::kYBytes;
   __shared__ EncodeRow rows[S::M];
   __shared__ const float* cur_r;
   __shared__ const float* loaded_r;
@@ -268,7 +316,7 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
         er.codes = job.dst_page + geom.codes_offset(h, kind) + size_t(t) * (D / 4);
         er.params = reinterpret_cast<QuantParams*>(job.dst_page + geom.params_offset(h, kind)) +
                     size_t(t) * geom.groups();
-        er.clip = kind == 0 ? job.clip_k : job.clip_v;
+        er.top = ClipTopRank(kind == 0 ? job.clip_k : job.clip_v, D);
         er.done = 0;
       }
       rows[i] = er;
@@ -345,22 +393,22 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
       constexpr int kRows = 4;
       for (int i0 = warp; i0 < n; i0 += kEncodeWarps * kRows) {
         const float* yr[kRows];
-        float clip[kRows], tau[kRows];
+        int top[kRows];
+        float tau[kRows];
         bool use[kRows];
 #pragma unroll
         for (int k = 0; k < kRows; ++k) {
           const int i = i0 + k * kEncodeWarps;
           use[k] = i < n && !rows[i].done && rows[i].rot == r;
           yr[k] = ys + (i < S::M ? i : 0) * S::LDY;
-          clip[k] = use[k] ? rows[i].clip : 1.0f;
+          top[k] = use[k] ? rows[i].top : 0;
         }
-        ClipThresholdsWarp<D, kRows>(yr, clip, tau, lane);
+        ClipThresholdsWarp<D, kRows>(yr, top, tau, lane);
 #pragma unroll
         for (int k = 0; k < kRows; ++k) {
           if (!use[k]) continue;
           const EncodeRow& er = rows[i0 + k * kEncodeWarps];
-          QuantizeRowWarp<D>(yr[k], geom.group_size, tau[k], er.codes, er.params, qs + warp * D,
-                             lane);
+          QuantizeRowWarp<D, G>(yr[k], tau[k], er.codes, er.params, lane);
         }
       }
       __syncthreads();
@@ -415,19 +463,85 @@ __global__ void __launch_bounds__(D)
   }
 }
 
-template <int D>
-absl::Status LaunchEncodeD(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
-                           cudaStream_t stream) {
+template <int D, int G>
+absl::Status LaunchEncodeTiled(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
+                               cudaStream_t stream) {
   using S = EncodeShape<D>;
+  const auto kernel = EncodeKernel<D, G>;
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      EncodeKernel<D>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
   const long rows = static_cast<long>(num_jobs) * geom.page_tokens;
   if (rows > (1L << 30)) return absl::InvalidArgumentError("too many encode jobs for one launch");
   const long per_block = static_cast<long>(kEncodeTilesPerBlock) * S::M;
   const long blocks = (rows + per_block - 1) / per_block;
   dim3 grid(static_cast<unsigned>(blocks), 2 * geom.kv_heads);
-  EncodeKernel<D><<<grid, kEncodeThreads, S::kSmem, stream>>>(geom, jobs, num_jobs);
+  kernel<<<grid, kEncodeThreads, S::kSmem, stream>>>(geom, jobs, num_jobs);
   return CudaStatus(cudaGetLastError(), "EncodeKernel launch");
+}
+
+template <int D, int G, int kMinBlocks, int kRowsPerPass>
+absl::Status LaunchEncodeStrips(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
+                                cudaStream_t stream) {
+  using S = encode_strips::Shape<D>;
+  const auto kernel = encode_strips::EncodeStripsKernel<D, G, kMinBlocks, kRowsPerPass>;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
+  const long rows = static_cast<long>(num_jobs) * geom.page_tokens;
+  if (rows > (1L << 30)) return absl::InvalidArgumentError("too many encode jobs for one launch");
+  const long tiles = (rows + S::M - 1) / S::M;
+  const long items = tiles * 2 * geom.kv_heads;
+  int device = 0, sms = 0, per_sm = 0;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  OSCARKV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &per_sm, kernel, encode_strips::kThreads, S::kSmem));
+  // One wave: each block walks a contiguous range of (kind, head, tile) items.
+  const long blocks = std::min<long>(items, static_cast<long>(sms) * std::max(per_sm, 1));
+  kernel<<<static_cast<unsigned>(blocks), encode_strips::kThreads, S::kSmem, stream>>>(
+      geom, jobs, num_jobs, static_cast<int>(tiles), items);
+  return CudaStatus(cudaGetLastError(), "EncodeStripsKernel launch");
+}
+
+// The encode launch for head dim D and group size G (compile-time both).
+template <int D, int G>
+absl::Status LaunchEncodeDG(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
+                            cudaStream_t stream, EncodeKernelChoice choice) {
+  if constexpr (D <= 128) {
+    if constexpr (D == 128 && G == 128) {  // benchmark-only variants, on its shape only
+      if (choice == EncodeKernelChoice::kStripsOneBlock) {
+        return LaunchEncodeStrips<D, G, 1, 2>(geom, jobs, num_jobs, stream);
+      }
+      if (choice == EncodeKernelChoice::kStripsFourRows) {
+        return LaunchEncodeStrips<D, G, 2, 4>(geom, jobs, num_jobs, stream);
+      }
+    }
+    if (choice != EncodeKernelChoice::kTiled) {
+      return LaunchEncodeStrips<D, G, 2, 2>(geom, jobs, num_jobs, stream);
+    }
+  }
+  return LaunchEncodeTiled<D, G>(geom, jobs, num_jobs, stream);
+}
+
+template <int D>
+absl::Status LaunchEncodeD(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
+                           cudaStream_t stream, EncodeKernelChoice choice) {
+  switch (geom.group_size) {  // a power of two in [4, D] (ValidateGeometry)
+    case 4: return LaunchEncodeDG<D, 4>(geom, jobs, num_jobs, stream, choice);
+    case 8: return LaunchEncodeDG<D, 8>(geom, jobs, num_jobs, stream, choice);
+    case 16: return LaunchEncodeDG<D, 16>(geom, jobs, num_jobs, stream, choice);
+    case 32: return LaunchEncodeDG<D, 32>(geom, jobs, num_jobs, stream, choice);
+    case 64: return LaunchEncodeDG<D, 64>(geom, jobs, num_jobs, stream, choice);
+    default: break;
+  }
+  if constexpr (D >= 128) {
+    if (geom.group_size == 128) return LaunchEncodeDG<D, 128>(geom, jobs, num_jobs, stream, choice);
+  }
+  if constexpr (D >= 256) {
+    if (geom.group_size == 256) return LaunchEncodeDG<D, 256>(geom, jobs, num_jobs, stream, choice);
+  }
+  return absl::InvalidArgumentError(
+      absl::StrCat("group_size ", geom.group_size, " is not a power of two in [4, ", D, "]"));
 }
 
 template <int D>
@@ -441,13 +555,13 @@ absl::Status LaunchDecodeD(const PageGeometry& geom, const DecodeJob* jobs, int 
 }  // namespace
 
 absl::Status LaunchEncodePages(const PageGeometry& geom, const EncodeJob* dev_jobs, int num_jobs,
-                               cudaStream_t stream) {
+                               cudaStream_t stream, EncodeKernelChoice choice) {
   if (num_jobs <= 0) return absl::OkStatus();
   if (geom.kv_heads > 32767) return absl::InvalidArgumentError("too many kv heads");
   switch (geom.head_dim) {
-    case 64: return LaunchEncodeD<64>(geom, dev_jobs, num_jobs, stream);
-    case 128: return LaunchEncodeD<128>(geom, dev_jobs, num_jobs, stream);
-    case 256: return LaunchEncodeD<256>(geom, dev_jobs, num_jobs, stream);
+    case 64: return LaunchEncodeD<64>(geom, dev_jobs, num_jobs, stream, choice);
+    case 128: return LaunchEncodeD<128>(geom, dev_jobs, num_jobs, stream, choice);
+    case 256: return LaunchEncodeD<256>(geom, dev_jobs, num_jobs, stream, choice);
     default:
       return absl::InvalidArgumentError(absl::StrCat("unsupported head_dim ", geom.head_dim));
   }

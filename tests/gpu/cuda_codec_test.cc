@@ -59,6 +59,7 @@ struct CodecCase {
   int heads, dim, group, page_tokens, jobs;
   float clip_k, clip_v;
   bool per_head;
+  int src_shift = 0;  // GPU blocks start this many bf16 past a 16-byte boundary (0 or 4)
 };
 
 struct Counts {
@@ -91,7 +92,9 @@ void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
     std::memcpy(&rot[size_t(s) * c.dim * c.dim], r.data(), r.size() * 4);
   }
   // Layout: set 0 K, set 0 V, set 1 K, set 1 V.
-  auto blocks_dev = Upload(gpu, blocks);
+  std::vector<bf16_bits> shifted(c.src_shift, 0);
+  shifted.insert(shifted.end(), blocks.begin(), blocks.end());
+  auto blocks_dev = Upload(gpu, shifted);
   ASSERT_TRUE(blocks_dev.ok()) << blocks_dev.status();
   auto rot_dev = Upload(gpu, rot);
   ASSERT_TRUE(rot_dev.ok()) << rot_dev.status();
@@ -108,7 +111,7 @@ void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
                             RotationRef{rot.data() + rk, rot.data() + rv, stride}, c.clip_k,
                             c.clip_v};
     const float* rd = rot_dev->as<float>();
-    gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + j * block_elems,
+    gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + c.src_shift + j * block_elems,
                             pages_dev->as<uint8_t>() + j * page_bytes,
                             RotationRef{rd + rk, rd + rv, stride}, c.clip_k, c.clip_v};
   }
@@ -161,6 +164,9 @@ const CodecCase kCases[] = {
     {3, 128, 16, 5, 9, 1.0f, 1.0f, false},      {2, 64, 64, 32, 10, 0.96f, 0.92f, false},
     {2, 64, 4, 7, 6, 0.9f, 0.5f, false},        {2, 256, 256, 32, 8, 0.96f, 0.92f, true},
     {1, 256, 64, 16, 5, 1.0f, 0.92f, false},    {8, 128, 128, 32, 70, 0.96f, 0.92f, false},
+    // Blocks only 8-byte aligned (the job contract's minimum), clip ratios
+    // that keep 40 of 128 (past the max-extraction path) and 24 of 64.
+    {2, 128, 128, 32, 6, 0.7f, 0.9f, false, 4}, {2, 64, 32, 16, 6, 0.95f, 0.63f, true, 4},
 };
 
 TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
@@ -189,6 +195,50 @@ TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
               total.param_diffs, total.params, double(total.param_diffs) / total.params,
               total.max_param_ulp);
   RecordProperty("code_flip_fraction", std::to_string(double(total.code_flips) / total.codes));
+}
+
+// Rows whose largest magnitudes repeat (small integers, identity rotation, so
+// y = x exactly on both backends): the GPU's fast clip search, which drops
+// every holder of the current maximum per round, must notice the repeats and
+// recount. Every byte must equal the CPU's (no rounding differences here).
+TEST_F(CudaCodecTest, RepeatedLargestValuesClipExactlyLikeTheCpu) {
+  std::mt19937_64 rng(7);
+  for (const int dim : {64, 128}) {
+    SCOPED_TRACE(testing::Message() << "D=" << dim);
+    const PageGeometry geom{2, dim, 32, 32};
+    const int jobs = 6;
+    const size_t block_elems = geom.exact_block_bytes() / 2;
+    std::uniform_int_distribution<int> small(-3, 3);
+    std::vector<bf16_bits> blocks(block_elems * jobs);
+    for (auto& v : blocks) v = FloatToBf16(static_cast<float>(small(rng)));
+    std::vector<float> eye(size_t(dim) * dim, 0.0f);
+    for (int i = 0; i < dim; ++i) eye[size_t(i) * dim + i] = 1.0f;
+    auto blocks_dev = Upload(*gpu_, blocks);
+    auto eye_dev = Upload(*gpu_, eye);
+    ASSERT_TRUE(blocks_dev.ok() && eye_dev.ok());
+    auto pages_dev = gpu_->Allocate(geom.page_bytes() * jobs);
+    ASSERT_TRUE(pages_dev.ok());
+    std::vector<uint8_t> cpu_pages(geom.page_bytes() * jobs, 0);
+    std::vector<EncodeJob> cpu_jobs(jobs), gpu_jobs(jobs);
+    for (int j = 0; j < jobs; ++j) {
+      // Clip ranks 13 and 20 from the top (D = 128), 7 and 10 (D = 64).
+      const float ck = 0.9f, cv = 0.85f;
+      cpu_jobs[j] = EncodeJob{blocks.data() + j * block_elems,
+                              cpu_pages.data() + j * geom.page_bytes(),
+                              RotationRef{eye.data(), eye.data(), 0}, ck, cv};
+      gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + j * block_elems,
+                              pages_dev->as<uint8_t>() + j * geom.page_bytes(),
+                              RotationRef{eye_dev->as<float>(), eye_dev->as<float>(), 0}, ck, cv};
+    }
+    CpuBackend cpu(2);
+    ASSERT_TRUE(cpu.EncodePages(geom, cpu_jobs.data(), jobs).ok());
+    ASSERT_TRUE(gpu_->EncodePages(geom, gpu_jobs.data(), jobs).ok());
+    auto got = Download<uint8_t>(*gpu_, pages_dev->data(), cpu_pages.size());
+    ASSERT_TRUE(got.ok());
+    size_t differ = 0;
+    for (size_t i = 0; i < cpu_pages.size(); ++i) differ += cpu_pages[i] != (*got)[i];
+    EXPECT_EQ(differ, 0u) << "of " << cpu_pages.size() << " page bytes";
+  }
 }
 
 TEST_F(CudaCodecTest, DecodeMatchesCpuBackendOnTheSamePages) {

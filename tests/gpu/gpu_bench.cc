@@ -225,11 +225,39 @@ int Main(int argc, char** argv) {
   EncodeJob* jobs_dev;
   CK(cudaMalloc(&jobs_dev, sizeof(EncodeJob) * kBlocks));
   CK(cudaMemcpy(jobs_dev, jobs.data(), sizeof(EncodeJob) * kBlocks, cudaMemcpyHostToDevice));
+  // The tiled kernel (R staged in shared memory per tile) first, as the
+  // baseline; then the default (strip) kernel, whose pages the attention
+  // benchmark below uses. The two must agree on (almost) every code byte.
+  const double enc_bytes = double(kBlocks) * (geom.exact_block_bytes() + geom.page_bytes());
+  const double tiled_us = TimeEvents(stream, 2, 20, [&](int) {
+    CKS(LaunchEncodePages(geom, jobs_dev, kBlocks, stream, EncodeKernelChoice::kTiled));
+  });
+  std::vector<uint8_t> tiled_pages(size_t(kBlocks) * geom.page_bytes());
+  CK(cudaMemcpy(tiled_pages.data(), pool->data(), tiled_pages.size(), cudaMemcpyDeviceToHost));
+  for (const auto& [name, choice] :
+       {std::pair<const char*, EncodeKernelChoice>{"one block per SM",
+                                                   EncodeKernelChoice::kStripsOneBlock},
+        {"four rows per clip pass", EncodeKernelChoice::kStripsFourRows}}) {
+    const double us = TimeEvents(stream, 2, 20, [&](int) {
+      CKS(LaunchEncodePages(geom, jobs_dev, kBlocks, stream, choice));
+    });
+    std::printf("encode, strip kernel variant (%s): %.1f us: %.0f GB/s\n", name, us,
+                enc_bytes / us / 1e3);
+  }
   const double enc_us = TimeEvents(stream, 2, 20, [&](int) {
     CKS(LaunchEncodePages(geom, jobs_dev, kBlocks, stream));
   });
-  const double enc_bytes = double(kBlocks) * (geom.exact_block_bytes() + geom.page_bytes());
+  std::vector<uint8_t> strip_pages(tiled_pages.size());
+  CK(cudaMemcpy(strip_pages.data(), pool->data(), strip_pages.size(), cudaMemcpyDeviceToHost));
+  size_t differing = 0;
+  for (size_t i = 0; i < strip_pages.size(); ++i) differing += strip_pages[i] != tiled_pages[i];
   const double enc_gbs = enc_bytes / enc_us / 1e3;
+  const double tiled_gbs = enc_bytes / tiled_us / 1e3;
+  std::printf("encode, tiled kernel (baseline): %.1f us: %.0f GB/s = %.1f%% of copy\n", tiled_us,
+              tiled_gbs, 100.0 * tiled_gbs / copy_gbs);
+  std::printf("encode, strip kernel vs tiled: %.2fx; page bytes that differ: %zu of %zu (%.1e)\n",
+              tiled_us / enc_us, differing, strip_pages.size(),
+              double(differing) / strip_pages.size());
   auto t0 = std::chrono::steady_clock::now();
   CKS(backend.EncodePages(geom, jobs.data(), 64));
   const double enc_call_us =
@@ -239,7 +267,9 @@ int Main(int argc, char** argv) {
               kBlocks, enc_bytes / 1e6, enc_us, enc_gbs, 100.0 * enc_gbs / copy_gbs,
               kBlocks * 32 / enc_us / 1e3, enc_call_us);
   out["encode"] = {{"pages", kBlocks}, {"us", enc_us}, {"gbs", enc_gbs},
-                   {"pct_copy", 100.0 * enc_gbs / copy_gbs}, {"call_64_pages_us", enc_call_us}};
+                   {"pct_copy", 100.0 * enc_gbs / copy_gbs}, {"call_64_pages_us", enc_call_us},
+                   {"tiled_us", tiled_us}, {"tiled_gbs", tiled_gbs},
+                   {"differing_page_bytes", differing}};
   CK(cudaFree(jobs_dev));
   // Fill the pool by replicating the encoded pages.
   for (int p = kBlocks; p < kPool; p += kBlocks) {

@@ -1,0 +1,327 @@
+// The encode kernel for head dims 64 and 128 (included by codec_kernels.cu
+// only, after the row helpers ClipThresholdsWarp / QuantizeRowWarp).
+//
+// Work: for each (kind, kv head), the rows (job, token) in tiles of M = 64.
+// A block of 8 warps walks a contiguous range of tiles (two blocks per SM, one
+// wave), so its rotation rarely changes. Per tile:
+//   1. the next tile's x rows are fetched with cp.async while this one runs;
+//   2. the tile's rows are scaled by a power of two (max |x| into [2^14, 2^15))
+//      and turned into fp16 in place: exact, since bf16's 8 significant bits
+//      fit fp16's 11 once the row is in fp16's range;
+//   3. y = x · R on the tensor cores (mma.m16n8k16, fp16 in, fp32 out): warp w
+//      owns the output columns [w·D/8, (w+1)·D/8) and keeps that strip of R in
+//      its registers as two fp16 terms, hi = fp16(R) and lo = fp16((R - hi)·2^12),
+//      each with its own accumulator: R to ~2^-22, so x · R keeps fp32-level
+//      accuracy, and R is read from memory once per block, not per tile. y (the
+//      row scale undone) goes to shared memory;
+//   4. each warp clips, quantizes and packs 8 of the 64 rows (two at a time,
+//      their reductions interleaved).
+// The tiled kernel (R staged in shared memory per tile) stays for D = 256,
+// whose strips would not fit in registers.
+#ifndef OSCARKV_KERNELS_CUDA_ENCODE_STRIPS_CUH_
+#define OSCARKV_KERNELS_CUDA_ENCODE_STRIPS_CUH_
+
+namespace oscarkv {
+namespace encode_strips {
+
+constexpr int kWarps = 8;
+constexpr int kThreads = kWarps * 32;
+
+template <int D>
+struct Shape {
+  static constexpr int M = 64;             // rows per tile
+  static constexpr int MT = M / 16;        // m16 tiles
+  static constexpr int NS = D / kWarps;    // output columns per warp
+  static constexpr int NT = NS / 8;        // n8 tiles per warp
+  static constexpr int KS = D / 16;        // k16 steps
+  static constexpr int LDX = D + 8;        // bf16 per staged x row (ldmatrix without conflicts)
+  static constexpr int LDY = D + 8;        // floats per y row (fragment stores without conflicts)
+  static constexpr int kChunks = D / 8;    // 16-byte pieces of an x row
+  static constexpr size_t kXBytes = size_t(M) * LDX * 2;
+  static constexpr size_t kYBytes = size_t(M) * LDY * 4;
+  static constexpr size_t kSmem = 2 * kXBytes + kYBytes;
+  static_assert(NT >= 1, "a warp owns at least one n8 tile");
+};
+
+// Per-row metadata of one tile.
+struct Row {
+  const bf16_bits* src;  // nullptr: past the end (or not yet filled)
+  const float* rot;
+  uint8_t* codes;
+  QuantParams* params;
+  int top;  // clip rank from the top (ClipTopRank)
+};
+
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsync8(void* smem, const void* gmem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8;\n" ::"r"(s), "l"(gmem));
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Waits until at most one committed group (the newest) is still in flight.
+__device__ __forceinline__ void CpAsyncWaitAllButNewest() {
+  asm volatile("cp.async.wait_group 1;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void LdMatrixX4(uint32_t (&a)[4], const void* smem) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(a[0]), "=r"(a[1]), "=r"(a[2]), "=r"(a[3])
+               : "r"(s));
+}
+
+__device__ __forceinline__ void MmaF16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                       uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t PackHalf2(__half lo_elem, __half hi_elem) {
+  return static_cast<uint32_t>(__half_as_ushort(lo_elem)) |
+         (static_cast<uint32_t>(__half_as_ushort(hi_elem)) << 16);
+}
+
+constexpr float kLoScale = 4096.0f;           // lo term = (R - hi) · 2^12
+constexpr float kLoUnscale = 1.0f / 4096.0f;
+
+// One warp's strip of R as mma B fragments, two fp16 terms. Fragment (ks, nt)
+// of lane (g = lane/4, t = lane%4) holds R[16 ks + 2t (+1)][n] and
+// R[16 ks + 2t + 8 (+9)][n], n = strip column 8 nt + g.
+template <int D>
+struct RStrip {
+  using S = Shape<D>;
+  uint32_t hi[S::KS][S::NT][2];
+  uint32_t lo[S::KS][S::NT][2];
+  const float* loaded = nullptr;
+
+  __device__ void Load(const float* r, int col0, int lane) {
+    const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int ks = 0; ks < S::KS; ++ks) {
+#pragma unroll
+      for (int nt = 0; nt < S::NT; ++nt) {
+        const int n = col0 + 8 * nt + g;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int k = 16 * ks + 2 * t + 8 * half;
+          const float v0 = __ldg(r + size_t(k) * D + n), v1 = __ldg(r + size_t(k + 1) * D + n);
+          const __half h0 = __float2half_rn(v0), h1 = __float2half_rn(v1);
+          hi[ks][nt][half] = PackHalf2(h0, h1);
+          lo[ks][nt][half] = PackHalf2(__float2half_rn((v0 - __half2float(h0)) * kLoScale),
+                                       __float2half_rn((v1 - __half2float(h1)) * kLoScale));
+        }
+      }
+    }
+    loaded = r;
+  }
+};
+
+// Row scaling exponent: 2^s brings the largest |x| (bf16 bits `amax`, sign
+// cleared) into [2^14, 2^15). Rows of zeros or subnormals get the largest
+// scale; infinities and NaNs stay what they are.
+__device__ __forceinline__ int RowScaleExponent(uint32_t amax) {
+  const int e = static_cast<int>(amax >> 7);  // biased exponent
+  return e == 0 ? 126 : min(141 - e, 126);
+}
+
+// kMinBlocks: blocks per SM the registers are capped for; kRowsPerPass: rows
+// one warp clips and quantizes together.
+template <int D, int G, int kMinBlocks, int kRowsPerPass>
+__global__ void __launch_bounds__(kThreads, kMinBlocks)
+    EncodeStripsKernel(PageGeometry geom, const EncodeJob* __restrict__ jobs, int num_jobs,
+                       int tiles_per_kh, long total_items) {
+  using S = Shape<D>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  // x tile n at xs(n % 2) (bf16, then fp16 in place); y of the current tile at ys.
+  const auto xs = [&](int b) { return reinterpret_cast<uint16_t*>(smem + b * S::kXBytes); };
+  float* ys = reinterpret_cast<float*>(smem + 2 * S::kXBytes);
+  __shared__ Row rows[3][S::M];  // tile i uses rows[i % 3]: filled while i - 1 runs, after i - 2 is done
+  __shared__ float row_unscale[S::M];  // 2^-s of each row of the current tile
+
+  const int tid = threadIdx.x, warp = WarpIndex(), lane = tid & 31;
+  const int P = geom.page_tokens;
+  const size_t row_elems = geom.exact_row_elems();
+  const int total_rows = num_jobs * P;  // < 2^31: checked by the launcher
+  const long first = total_items * blockIdx.x / gridDim.x;
+  const long last = total_items * (blockIdx.x + 1) / gridDim.x;
+  if (first >= last) return;
+
+  // Row metadata of work item `item` into rows[rb] (threads < M, one row each).
+  auto fill_rows = [&](long item, int rb) {
+    if (tid >= S::M) return;
+    const int kh = static_cast<int>(item / tiles_per_kh);
+    const int tile = static_cast<int>(item % tiles_per_kh);
+    const int h = kh >> 1, kind = kh & 1;
+    const int row = tile * S::M + tid;
+    Row er{};
+    if (row < total_rows) {
+      const int j = row / P, t = row - j * P;
+      const EncodeJob& job = jobs[j];
+      er.src = job.src_block + kind * size_t(P) * row_elems + size_t(t) * row_elems + size_t(h) * D;
+      er.rot = RowRotation(job.rotation, kind, h);
+      er.codes = job.dst_page + geom.codes_offset(h, kind) + size_t(t) * (D / 4);
+      er.params = reinterpret_cast<QuantParams*>(job.dst_page + geom.params_offset(h, kind)) +
+                  size_t(t) * geom.groups();
+      er.top = ClipTopRank(kind == 0 ? job.clip_k : job.clip_v, D);
+    }
+    rows[rb][tid] = er;
+  };
+  // x rows of rows[rb] into xs(b) (cp.async; rows past the end are zeroed).
+  auto fetch_x = [&](int b, int rb) {
+    for (int idx = tid; idx < S::M * S::kChunks; idx += kThreads) {
+      const int i = idx / S::kChunks, c = idx % S::kChunks;
+      uint16_t* dst = xs(b) + i * S::LDX + 8 * c;
+      const bf16_bits* src = rows[rb][i].src;
+      if (src == nullptr) {
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+      } else if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) {
+        CpAsync16(dst, src + 8 * c);
+      } else {  // the job arrays promise 8-byte alignment only
+        CpAsync8(dst, src + 8 * c);
+        CpAsync8(dst + 4, src + 8 * c + 4);
+      }
+    }
+  };
+  // Scales each row of xs(b) by 2^s (four threads per row) and converts it to
+  // fp16 in place; row_unscale[row] = 2^-s.
+  auto to_scaled_fp16 = [&](int b) {
+    constexpr int kPieces = D / 32;  // 16-byte pieces per thread
+    const int i = tid >> 2, quarter = tid & 3;
+    uint4* base = reinterpret_cast<uint4*>(xs(b) + i * S::LDX + quarter * (D / 4));
+    uint4 v[kPieces];
+    uint32_t amax = 0;
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p) {
+      v[p] = base[p];
+      const uint32_t w[4] = {v[p].x, v[p].y, v[p].z, v[p].w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) amax = __vmaxu2(amax, w[q] & 0x7fff7fffu);
+    }
+    amax = max(amax & 0xffffu, amax >> 16);
+    amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 1));
+    amax = max(amax, __shfl_xor_sync(0xffffffffu, amax, 2));
+    const int sexp = RowScaleExponent(amax);
+    const float f = __int_as_float((127 + sexp) << 23);
+    if (quarter == 0) row_unscale[i] = __int_as_float((127 - sexp) << 23);
+#pragma unroll
+    for (int p = 0; p < kPieces; ++p) {
+      uint32_t w[4] = {v[p].x, v[p].y, v[p].z, v[p].w};
+#pragma unroll
+      for (int q = 0; q < 4; ++q) {
+        const float lo = __uint_as_float(w[q] << 16) * f;
+        const float hi = __uint_as_float(w[q] & 0xffff0000u) * f;
+        w[q] = PackHalf2(__float2half_rn(lo), __float2half_rn(hi));
+      }
+      base[p] = make_uint4(w[0], w[1], w[2], w[3]);
+    }
+  };
+
+  RStrip<D> strip;
+  const int col0 = warp * S::NS;
+  const int g = lane >> 2, t = lane & 3;
+
+  fill_rows(first, 0);
+  __syncthreads();
+  fetch_x(0, 0);
+  CpAsyncCommit();
+
+  // Tile n (= item - first) uses xs(n % 2) and rows[n % 3].
+  int b = 0, rb = 0;
+  for (long item = first; item < last; ++item, b ^= 1, rb = rb == 2 ? 0 : rb + 1) {
+    const bool has_next = item + 1 < last;
+    const int rn = rb == 2 ? 0 : rb + 1;
+    if (has_next) fill_rows(item + 1, rn);  // rows[rn] last served tile n - 2
+    __syncthreads();  // rows[rn] written; xs(b ^ 1), ys, row_unscale free (tile n - 1 done)
+    if (has_next) fetch_x(b ^ 1, rn);
+    CpAsyncCommit();
+    CpAsyncWaitAllButNewest();
+    __syncthreads();  // xs(b) complete for every thread
+    to_scaled_fp16(b);
+    __syncthreads();
+
+    // y strip of each m16 tile; one pass per distinct rotation among its rows.
+    const uint16_t* xb = xs(b);
+#pragma unroll 1
+    for (int mt = 0; mt < S::MT; ++mt) {
+      const Row* mrows = rows[rb] + 16 * mt;
+      const float* my_rot = (lane < 16 && mrows[lane].src != nullptr) ? mrows[lane].rot : nullptr;
+      unsigned pending = __ballot_sync(0xffffffffu, my_rot != nullptr);
+      const float unscale[2] = {row_unscale[16 * mt + g], row_unscale[16 * mt + g + 8]};
+      while (pending != 0) {
+        const int src_lane = __ffs(pending) - 1;
+        const float* r = reinterpret_cast<const float*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_rot), src_lane));
+        const unsigned match = __ballot_sync(0xffffffffu, my_rot == r && my_rot != nullptr);
+        if (strip.loaded != r) strip.Load(r, col0, lane);
+        float acc_hi[S::NT][4], acc_lo[S::NT][4];
+#pragma unroll
+        for (int nt = 0; nt < S::NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc_hi[nt][e] = acc_lo[nt][e] = 0.0f;
+        const uint16_t* arow = xb + (16 * mt + (lane & 15)) * S::LDX + (lane >> 4) * 8;
+#pragma unroll
+        for (int ks = 0; ks < S::KS; ++ks) {
+          uint32_t a[4];
+          LdMatrixX4(a, arow + 16 * ks);
+#pragma unroll
+          for (int nt = 0; nt < S::NT; ++nt) {
+            MmaF16(acc_lo[nt], a, strip.lo[ks][nt][0], strip.lo[ks][nt][1]);
+            MmaF16(acc_hi[nt], a, strip.hi[ks][nt][0], strip.hi[ks][nt][1]);
+          }
+        }
+        // Rows g (e = 0, 1) and g + 8 (e = 2, 3), columns 2t, 2t + 1 of each n8 tile.
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int i = g + 8 * half;
+          if ((match >> i) & 1u) {
+            float* yrow = ys + (16 * mt + i) * S::LDY + col0 + 2 * t;
+#pragma unroll
+            for (int nt = 0; nt < S::NT; ++nt) {
+              float2 v;
+              v.x = fmaf(acc_lo[nt][2 * half], kLoUnscale, acc_hi[nt][2 * half]) * unscale[half];
+              v.y = fmaf(acc_lo[nt][2 * half + 1], kLoUnscale, acc_hi[nt][2 * half + 1]) *
+                    unscale[half];
+              *reinterpret_cast<float2*>(yrow + 8 * nt) = v;
+            }
+          }
+        }
+        pending &= ~match;
+      }
+    }
+    __syncthreads();  // ys complete
+
+    // Clip, quantize, pack: warp w takes rows w, w + 8, ... kRowsPerPass at a time.
+#pragma unroll 1
+    for (int i0 = warp; i0 < S::M; i0 += kWarps * kRowsPerPass) {
+      const float* yr[kRowsPerPass];
+      int top[kRowsPerPass];
+      float tau[kRowsPerPass];
+      bool use[kRowsPerPass];
+#pragma unroll
+      for (int k = 0; k < kRowsPerPass; ++k) {
+        const int i = i0 + k * kWarps;
+        use[k] = i < S::M && rows[rb][i].src != nullptr;
+        yr[k] = ys + (i < S::M ? i : 0) * S::LDY;
+        top[k] = use[k] ? rows[rb][i].top : 0;
+      }
+      ClipThresholdsWarp<D, kRowsPerPass>(yr, top, tau, lane);
+#pragma unroll
+      for (int k = 0; k < kRowsPerPass; ++k) {
+        if (!use[k]) continue;
+        const Row& er = rows[rb][i0 + k * kWarps];
+        QuantizeRowWarp<D, G>(yr[k], tau[k], er.codes, er.params, lane);
+      }
+    }
+  }
+}
+
+}  // namespace encode_strips
+}  // namespace oscarkv
+
+#endif  // OSCARKV_KERNELS_CUDA_ENCODE_STRIPS_CUH_
