@@ -479,11 +479,11 @@ absl::Status LaunchEncodeTiled(const PageGeometry& geom, const EncodeJob* jobs, 
   return CudaStatus(cudaGetLastError(), "EncodeKernel launch");
 }
 
-template <int D, int G, int kMinBlocks, int kRowsPerPass>
+template <int D, int G>
 absl::Status LaunchEncodeStrips(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
                                 cudaStream_t stream) {
   using S = encode_strips::Shape<D>;
-  const auto kernel = encode_strips::EncodeStripsKernel<D, G, kMinBlocks, kRowsPerPass>;
+  const auto kernel = encode_strips::EncodeStripsKernel<D, G>;
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
       kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
   const long rows = static_cast<long>(num_jobs) * geom.page_tokens;
@@ -508,17 +508,7 @@ template <int D, int G>
 absl::Status LaunchEncodeDG(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
                             cudaStream_t stream, EncodeKernelChoice choice) {
   if constexpr (D <= 128) {
-    if constexpr (D == 128 && G == 128) {  // benchmark-only variants, on its shape only
-      if (choice == EncodeKernelChoice::kStripsOneBlock) {
-        return LaunchEncodeStrips<D, G, 1, 2>(geom, jobs, num_jobs, stream);
-      }
-      if (choice == EncodeKernelChoice::kStripsFourRows) {
-        return LaunchEncodeStrips<D, G, 2, 4>(geom, jobs, num_jobs, stream);
-      }
-    }
-    if (choice != EncodeKernelChoice::kTiled) {
-      return LaunchEncodeStrips<D, G, 2, 2>(geom, jobs, num_jobs, stream);
-    }
+    if (choice == EncodeKernelChoice::kAuto) return LaunchEncodeStrips<D, G>(geom, jobs, num_jobs, stream);
   }
   return LaunchEncodeTiled<D, G>(geom, jobs, num_jobs, stream);
 }

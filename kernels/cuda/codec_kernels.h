@@ -19,16 +19,14 @@ namespace oscarkv {
 // (each warp keeps its strip of R in registers, encode_strips.cuh), else the
 // tiled kernel (R staged in shared memory per tile). kTiled forces the tiled
 // kernel for every head dim: the side-by-side benchmark's baseline.
-// Benchmark-only variants of the strip kernel (D = G = 128; else kAuto):
-// kStripsOneBlock (255 registers, one block per SM), kStripsFourRows (four
-// rows per clip pass instead of two).
-enum class EncodeKernelChoice { kAuto, kTiled, kStripsOneBlock, kStripsFourRows };
+enum class EncodeKernelChoice { kAuto, kTiled };
 
-// Rotate (x · R on the tensor cores, R split into three bf16 terms so the
-// product keeps fp32 accuracy), clip, quantize and pack every row of every job
-// in one launch. Codes are computed against the fp16-rounded (scale, min)
-// exactly like QuantizeRow; only the fp32 summation order of the rotation
-// differs from the CPU, which can flip a code that sits on a rounding boundary.
+// Rotate (x · R on the tensor cores, with R split into two fp16 terms (strip
+// kernel) or three bf16 terms (tiled kernel) so that the product keeps fp32
+// accuracy), clip, quantize and pack every row of every job in one launch.
+// Codes are computed against the fp16-rounded (scale, min) exactly like
+// QuantizeRow; only the fp32 summation order of the rotation differs from the
+// CPU, which can flip a code that sits on a rounding boundary.
 absl::Status LaunchEncodePages(const PageGeometry& geom, const EncodeJob* dev_jobs, int num_jobs,
                                cudaStream_t stream,
                                EncodeKernelChoice choice = EncodeKernelChoice::kAuto);

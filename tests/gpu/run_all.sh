@@ -121,7 +121,7 @@ if [ "${NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
     "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --variant 0 --iters 5 > "$out/ncu_128k.log" 2>&1
   ncu --clock-control none -k regex:SplitKernel -c 1 $sections \
     "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --variant 4 --iters 5 > "$out/ncu_128k_v4.log" 2>&1
-  ncu --clock-control none -k regex:EncodeKernel -c 1 $sections \
+  ncu --clock-control none -k regex:EncodeStripsKernel -c 1 $sections \
     "$bundle/bin/oscarkv_gpu_bench" --only none --iters 5 > "$out/ncu_encode.log" 2>&1
   echo "ncu 8K (prep, split, merge):"; grep -E "^  [A-Za-z]|Duration" "$out/ncu_8k.log" | head -12
   echo "ncu 128K:"; grep -E "^  [A-Za-z]|Duration|DRAM Throughput|Issue Slots|Achieved Occupancy|Executed Ipc A|Registers Per" "$out/ncu_128k.log" | head -30
