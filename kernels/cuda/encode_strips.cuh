@@ -250,53 +250,68 @@ __global__ void __launch_bounds__(kThreads, 2)
     to_scaled_fp16(b);
     __syncthreads();
 
-    // y strip of each m16 tile; one pass per distinct rotation among its rows.
+    // y strip of m16 tile mt, rows in `match` (bit i: row 16 mt + i) stored.
     const uint16_t* xb = xs(b);
-#pragma unroll 1
-    for (int mt = 0; mt < S::MT; ++mt) {
-      const Row* mrows = rows[rb] + 16 * mt;
-      const float* my_rot = (lane < 16 && mrows[lane].src != nullptr) ? mrows[lane].rot : nullptr;
-      unsigned pending = __ballot_sync(0xffffffffu, my_rot != nullptr);
-      const float unscale[2] = {row_unscale[16 * mt + g], row_unscale[16 * mt + g + 8]};
-      while (pending != 0) {
-        const int src_lane = __ffs(pending) - 1;
-        const float* r = reinterpret_cast<const float*>(
-            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_rot), src_lane));
-        const unsigned match = __ballot_sync(0xffffffffu, my_rot == r && my_rot != nullptr);
-        if (strip.loaded != r) strip.Load(r, col0, lane);
-        float acc_hi[S::NT][4], acc_lo[S::NT][4];
+    auto multiply = [&](int mt, unsigned match) {
+      float acc_hi[S::NT][4], acc_lo[S::NT][4];
 #pragma unroll
-        for (int nt = 0; nt < S::NT; ++nt)
+      for (int nt = 0; nt < S::NT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e) acc_hi[nt][e] = acc_lo[nt][e] = 0.0f;
-        const uint16_t* arow = xb + (16 * mt + (lane & 15)) * S::LDX + (lane >> 4) * 8;
+        for (int e = 0; e < 4; ++e) acc_hi[nt][e] = acc_lo[nt][e] = 0.0f;
+      const uint16_t* arow = xb + (16 * mt + (lane & 15)) * S::LDX + (lane >> 4) * 8;
 #pragma unroll
-        for (int ks = 0; ks < S::KS; ++ks) {
-          uint32_t a[4];
-          LdMatrixX4(a, arow + 16 * ks);
+      for (int ks = 0; ks < S::KS; ++ks) {
+        uint32_t a[4];
+        LdMatrixX4(a, arow + 16 * ks);
+#pragma unroll
+        for (int nt = 0; nt < S::NT; ++nt) {
+          MmaF16(acc_lo[nt], a, strip.lo[ks][nt][0], strip.lo[ks][nt][1]);
+          MmaF16(acc_hi[nt], a, strip.hi[ks][nt][0], strip.hi[ks][nt][1]);
+        }
+      }
+      // Rows g (e = 0, 1) and g + 8 (e = 2, 3), columns 2t, 2t + 1 of each n8 tile.
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int i = g + 8 * half;
+        if ((match >> i) & 1u) {
+          const float unscale = row_unscale[16 * mt + i];
+          float* yrow = ys + (16 * mt + i) * S::LDY + col0 + 2 * t;
 #pragma unroll
           for (int nt = 0; nt < S::NT; ++nt) {
-            MmaF16(acc_lo[nt], a, strip.lo[ks][nt][0], strip.lo[ks][nt][1]);
-            MmaF16(acc_hi[nt], a, strip.hi[ks][nt][0], strip.hi[ks][nt][1]);
+            float2 v;
+            v.x = fmaf(acc_lo[nt][2 * half], kLoUnscale, acc_hi[nt][2 * half]) * unscale;
+            v.y = fmaf(acc_lo[nt][2 * half + 1], kLoUnscale, acc_hi[nt][2 * half + 1]) * unscale;
+            *reinterpret_cast<float2*>(yrow + 8 * nt) = v;
           }
         }
-        // Rows g (e = 0, 1) and g + 8 (e = 2, 3), columns 2t, 2t + 1 of each n8 tile.
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int i = g + 8 * half;
-          if ((match >> i) & 1u) {
-            float* yrow = ys + (16 * mt + i) * S::LDY + col0 + 2 * t;
-#pragma unroll
-            for (int nt = 0; nt < S::NT; ++nt) {
-              float2 v;
-              v.x = fmaf(acc_lo[nt][2 * half], kLoUnscale, acc_hi[nt][2 * half]) * unscale[half];
-              v.y = fmaf(acc_lo[nt][2 * half + 1], kLoUnscale, acc_hi[nt][2 * half + 1]) *
-                    unscale[half];
-              *reinterpret_cast<float2*>(yrow + 8 * nt) = v;
-            }
-          }
+      }
+    };
+    // The usual case: every row of the tile has the rotation of row 0 (always a
+    // real row). Rows past the end get y too; nothing reads it.
+    const Row* trows = rows[rb];
+    const float* r0 = trows[0].rot;
+    bool same = true;
+    for (int i = lane; i < S::M; i += 32) same = same && (trows[i].src == nullptr || trows[i].rot == r0);
+    if (__all_sync(0xffffffffu, same)) {
+      if (strip.loaded != r0) strip.Load(r0, col0, lane);
+#pragma unroll 1
+      for (int mt = 0; mt < S::MT; ++mt) multiply(mt, 0xffffu);
+    } else {
+      // One pass per distinct rotation among the rows of each m16 tile.
+#pragma unroll 1
+      for (int mt = 0; mt < S::MT; ++mt) {
+        const Row* mrows = trows + 16 * mt;
+        const float* my_rot = (lane < 16 && mrows[lane].src != nullptr) ? mrows[lane].rot : nullptr;
+        unsigned pending = __ballot_sync(0xffffffffu, my_rot != nullptr);
+        while (pending != 0) {
+          const int src_lane = __ffs(pending) - 1;
+          const float* r = reinterpret_cast<const float*>(
+              __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_rot), src_lane));
+          const unsigned match = __ballot_sync(0xffffffffu, my_rot == r && my_rot != nullptr);
+          if (strip.loaded != r) strip.Load(r, col0, lane);
+          multiply(mt, match);
+          pending &= ~match;
         }
-        pending &= ~match;
       }
     }
     __syncthreads();  // ys complete
