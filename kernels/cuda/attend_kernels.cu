@@ -99,9 +99,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     // Page pointers for iterations [base, base + 32), one per lane.
     int base = 0;
     auto chunk_of = [&](int it) { return warp + kWarps * it; };
+    // Chunk index within its page (no division for the usual one chunk per page).
+    auto in_page = [&](int it) { return cpp == 1 ? 0 : chunk_of(it) % cpp; };
     auto fetch_ptr = [&](int it0) -> const uint8_t* {
       const int ci = chunk_of(it0 + lane);
-      return ci < n ? item.pages[wu.begin + ci / cpp] : nullptr;
+      return ci < n ? item.pages[wu.begin + (cpp == 1 ? ci : ci / cpp)] : nullptr;
     };
     const uint8_t* my_ptr = fetch_ptr(0);
     auto page_of = [&](int it) -> const uint8_t* {
@@ -123,36 +125,36 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       rb = {};
       float lga[2][4], lgb[2][4];
       if (iters > 0) {
-        hw.LoadK(ra, page_of(0), chunk_of(0) % cpp);
-        hw.LoadV(va, page_of(0), chunk_of(0) % cpp);
+        hw.LoadK(ra, page_of(0), in_page(0));
+        hw.LoadV(va, page_of(0), in_page(0));
       }
-      if (iters > 1) hw.LoadK(rb, page_of(1), chunk_of(1) % cpp);
+      if (iters > 1) hw.LoadK(rb, page_of(1), in_page(1));
       WaitForPrerequisites();  // the prep kernel's query fragments
       LaunchDependents();
       if (iters > 0) {
         hw.InitQuery(a, wu.item, wu.kv_head, lane);
         hw.Logits(ra, lga);
-        if (iters > 1) hw.LoadV(vb, page_of(1), chunk_of(1) % cpp);
-        if (iters > 2) hw.LoadK(ra, page_of(2), chunk_of(2) % cpp);
+        if (iters > 1) hw.LoadV(vb, page_of(1), in_page(1));
+        if (iters > 2) hw.LoadK(ra, page_of(2), in_page(2));
         int it = 0;
         while (true) {
           hw.Logits(rb, lgb);  // chunk it+1 (unused past the end)
           hw.Accumulate(va, lga);
           if (++it >= iters) break;
-          if (it + 1 < iters) hw.LoadV(va, page_of(it + 1), chunk_of(it + 1) % cpp);
-          if (it + 2 < iters) hw.LoadK(rb, page_of(it + 2), chunk_of(it + 2) % cpp);
+          if (it + 1 < iters) hw.LoadV(va, page_of(it + 1), in_page(it + 1));
+          if (it + 2 < iters) hw.LoadK(rb, page_of(it + 2), in_page(it + 2));
           hw.Logits(ra, lga);  // chunk it+1
           hw.Accumulate(vb, lgb);
           if (++it >= iters) break;
-          if (it + 1 < iters) hw.LoadV(vb, page_of(it + 1), chunk_of(it + 1) % cpp);
-          if (it + 2 < iters) hw.LoadK(ra, page_of(it + 2), chunk_of(it + 2) % cpp);
+          if (it + 1 < iters) hw.LoadV(vb, page_of(it + 1), in_page(it + 1));
+          if (it + 2 < iters) hw.LoadK(ra, page_of(it + 2), in_page(it + 2));
         }
         hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
       }
     } else {
       // The first chunks' loads overlap the prep kernel.
-      if (iters > 0) hw.Load(ra, page_of(0), chunk_of(0) % cpp);
-      if (kPrefetch && iters > 1) hw.Load(rb, page_of(1), chunk_of(1) % cpp);
+      if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
+      if (kPrefetch && iters > 1) hw.Load(rb, page_of(1), in_page(1));
       WaitForPrerequisites();  // the prep kernel's query fragments
       LaunchDependents();
       if (iters > 0) {
@@ -165,16 +167,16 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           while (true) {
             hw.Process(ra, ablate);
             if (++it >= iters) break;
-            if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), chunk_of(it + 1) % cpp);
+            if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
             hw.Process(rb, ablate);
             if (++it >= iters) break;
-            if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), chunk_of(it + 1) % cpp);
+            if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
           }
         } else {
           while (true) {
             hw.Process(ra);
             if (++it >= iters) break;
-            hw.Load(ra, page_of(it), chunk_of(it) % cpp);
+            hw.Load(ra, page_of(it), in_page(it));
           }
         }
         hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);

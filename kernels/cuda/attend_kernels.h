@@ -60,9 +60,11 @@ class AttendLauncher {
   //   2 = software pipeline (q·K of the next chunk next to P·V of this one);
   //   3 = 0 with q·K on the integer tensor cores (D = 128, <= 4 query heads
   //       per kv head; else 0) -- the default, fastest at every measured shape;
-  //   4 = 2 with integer q·K.
+  //   4 = 2 with integer q·K;
+  //   5 = 3 held to 128 registers (4 blocks/SM).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
+  static constexpr int kNumVariants = 6;
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }
 

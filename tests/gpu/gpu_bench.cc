@@ -297,7 +297,7 @@ int Main(int argc, char** argv) {
     CKS(probe.status());
     default_variant = (*probe)->variant();
   }
-  for (int variant = 0; variant < 6; ++variant)
+  for (int variant = 0; variant < AttendLauncher::kNumVariants; ++variant)
   for (const Shape& sh : shapes) {
     if (!only_variants.empty() &&
         std::find(only_variants.begin(), only_variants.end(), variant) == only_variants.end()) {
