@@ -155,7 +155,8 @@ void BenchIngest(bool quick) {
                 gb / sink_best, sink_best / put_best, sink_best / raw_best);
   }
   std::printf("(PutKv includes the server's rotate+clip+INT2 encode of every history page on "
-              "the CPU backend; the baseline does nothing with the bytes)\n");
+              "the %s backend; the baseline does nothing with the bytes)\n",
+              g_backend.c_str());
   sink_server->Shutdown();
 }
 
