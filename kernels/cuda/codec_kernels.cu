@@ -219,14 +219,19 @@ __device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out
     inv[gl] = sq > 0.0f ? 1.0f / sq : 0.0f;
     // Element lane + 32 i (i = gl·kPer) is its group's first on one lane only.
     const int e = lane + 32 * gl * kPer;
-    if (e % G == 0) params_out[e / G] = QuantParams{__half_as_ushort(s_h), __half_as_ushort(lo_h)};
+    if (e % G == 0) {  // one 32-bit store: scale in the low half, min in the high half
+      *reinterpret_cast<uint32_t*>(params_out + e / G) =
+          uint32_t(__half_as_ushort(s_h)) | (uint32_t(__half_as_ushort(lo_h)) << 16);
+    }
   }
   uint32_t c[E];
 #pragma unroll
   for (int i = 0; i < E; ++i) {
     const int gl = i / kPer;
-    const float cf = fminf(fmaxf(rintf(__fmul_rn(__fsub_rn(y[i], loq[gl]), inv[gl])), 0.0f), 3.0f);
-    c[i] = static_cast<uint32_t>(cf);
+    // Round to nearest even as rintf; NaN converts to 0 and out-of-range
+    // values saturate, so the clamp gives what clamping the float would.
+    const int q = __float2int_rn(__fmul_rn(__fsub_rn(y[i], loq[gl]), inv[gl]));
+    c[i] = static_cast<uint32_t>(min(max(q, 0), 3));
   }
   if constexpr (D >= 128) {
     // Quarter k of byte j = element j + k·D/4 = lane + 32 i with i = k·E/4 + b.
