@@ -163,6 +163,16 @@ UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity, 
                                                       : unfolded;
 }
 
+namespace {
+// A unit of (item, kv head) with no ranges and no partials yet.
+WorkUnit UnitOf(int item, int kv_head) {
+  WorkUnit u{};
+  u.item = item;
+  u.kv_head = kv_head;
+  return u;
+}
+}  // namespace
+
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int H,
                      WorkUnit* work, ItemPlan* plans) {
   const long epu = sizes.exact_per_unit, ppu = sizes.pages_per_unit;
@@ -176,10 +186,7 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
     plans[i].exact_splits = splits;
     for (int h = 0; h < H; ++h) {
       for (int s = 0; s < splits; ++s) {
-        WorkUnit& u = work[w++];
-        u = WorkUnit{};
-        u.item = i;
-        u.kv_head = h;
+        WorkUnit& u = work[w++] = UnitOf(i, h);
         u.exact_begin = static_cast<int>(s * epu);
         u.exact_end = static_cast<int>(std::min<long>(it.num_exact, (s + 1) * epu));
         u.exact_partial = partial++;
@@ -203,10 +210,7 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
     }
     for (int h = 0; h < H; ++h) {
       for (int s = 0; s < splits; ++s) {
-        WorkUnit& u = work[w++];
-        u = WorkUnit{};
-        u.item = i;
-        u.kv_head = h;
+        WorkUnit& u = work[w++] = UnitOf(i, h);
         u.begin = static_cast<int>(s * ppu);
         u.end = static_cast<int>(std::min<long>(it.num_pages, (s + 1) * ppu));
         u.partial = plans[i].hist_begin + h * splits + s;
