@@ -154,16 +154,20 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
   }
   // The queries of all items in one upload (one device round trip per call,
   // not one per item), and below, all outputs in one download. Host staging
-  // for the larger of the two regions; not zero-filled (only what is copied
-  // in is read).
-  std::unique_ptr<float[]> host(new float[std::max(q_floats, out_floats)]);
+  // for the larger of the two regions: one buffer per calling thread, kept
+  // between calls and only grown (copies return once `src` may be reused).
+  thread_local std::vector<float> host_staging;
+  if (host_staging.size() < std::max(q_floats, out_floats)) {
+    host_staging.resize(std::max(q_floats, out_floats));
+  }
+  float* const host = host_staging.data();
   for (size_t i = 0; i < tasks.size(); ++i) {
     if (!tasks[i].status.ok()) continue;
     const ModelLayout& l = (*tasks[i].seq)->model().layout;
-    std::copy_n(tasks[i].q, size_t(l.num_q_heads) * l.head_dim, host.get() + q_offset[i]);
+    std::copy_n(tasks[i].q, size_t(l.num_q_heads) * l.head_dim, host + q_offset[i]);
   }
   float* const out_base = base + q_floats;
-  if (const absl::Status up = backend_->CopyToDevice(base, host.get(), q_floats * sizeof(float));
+  if (const absl::Status up = backend_->CopyToDevice(base, host, q_floats * sizeof(float));
       !up.ok()) {
     for (AttendTask& t : tasks) {
       if (t.status.ok()) t.status = up;
@@ -208,7 +212,7 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
   for (const AttendTask& t : tasks) any_ok = any_ok || t.status.ok();
   if (any_ok) {
     const absl::Status down =
-        backend_->CopyToHost(host.get(), out_base, out_floats * sizeof(float));
+        backend_->CopyToHost(host, out_base, out_floats * sizeof(float));
     for (size_t i = 0; i < tasks.size(); ++i) {
       AttendTask& t = tasks[i];
       if (!t.status.ok()) continue;
@@ -218,8 +222,8 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
       }
       const ModelLayout& l = (*t.seq)->model().layout;
       const size_t qf = size_t(l.num_q_heads) * l.head_dim;
-      std::copy_n(host.get() + out_offset[i], qf, t.out);
-      if (t.lse) std::copy_n(host.get() + out_offset[i] + qf, size_t(l.num_q_heads), t.lse);
+      std::copy_n(host + out_offset[i], qf, t.out);
+      if (t.lse) std::copy_n(host + out_offset[i] + qf, size_t(l.num_q_heads), t.lse);
     }
   }
   locks.clear();
