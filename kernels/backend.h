@@ -134,6 +134,8 @@ class Backend {
     return absl::UnimplementedError(
         "backend " + name() + " cannot report its available memory; give the pool size in bytes");
   }
+  // What AvailableBytes() measures, for messages ("available host memory").
+  virtual std::string AvailableMemoryName() const { return "free " + name() + " device memory"; }
 
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
   // Copies are ordered with every later call on the backend. When

@@ -88,9 +88,7 @@ absl::StatusOr<size_t> ResolvePoolBytes(const ServerOptions& options, const Back
     return absl::InvalidArgumentError(
         absl::StrCat("pool fraction ", fraction, " must be in (0, 1) of available memory"));
   }
-  const std::string memory = backend.name() == "cpu"
-                                 ? "available host memory"
-                                 : absl::StrCat("free ", backend.name(), " device memory");
+  const std::string memory = backend.AvailableMemoryName();
   absl::StatusOr<size_t> available = backend.AvailableBytes();
   if (!available.ok()) {
     return absl::Status(available.status().code(),

@@ -81,7 +81,7 @@ class OscarkvServer {
   ModelRegistry& models() { return models_; }
   Backend& backend() { return *backend_; }
   PagePool& pool() { return *pool_; }
-  // How a fractional pool size was resolved, e.g. "0.5 of 61.2 GiB available
+  // How a fractional pool size was resolved, e.g. "0.5 of 62668 MiB available
   // host memory"; empty when the pool size was given in bytes.
   const std::string& pool_size_note() const { return pool_size_note_; }
   ServerMetrics* metrics() { return metrics_.get(); }
