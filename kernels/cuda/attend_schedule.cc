@@ -202,7 +202,7 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
     // Exact blocks riding on this item's first history units.
     const bool fold = sizes.fold_exact && splits > 0 && it.num_exact > 0;
     const int esplits = fold ? FoldedExactSplits(it.num_exact, splits) : 0;
-    const int per = fold ? (it.num_exact + splits - 1) / splits : 0;
+    const int per = fold ? FoldedExactPerUnit(it.num_exact, splits) : 0;
     if (fold) {
       plans[i].exact_begin = partial;
       plans[i].exact_splits = esplits;

@@ -64,12 +64,15 @@ inline constexpr long kFoldPagesPerUnit = 256;
 UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity,
                           FoldExact fold = FoldExact::kAuto);
 
-// The exact splits of an item whose exact blocks ride on its `hist_splits`
-// history units: ceil(E / ceil(E / hist_splits)) units take
-// ceil(E / hist_splits) blocks each (the last one the rest).
+// An item whose exact blocks ride on its `hist_splits` history units: each
+// of its first units takes ceil(E / hist_splits) blocks (FoldedExactPerUnit),
+// the last one the rest, so ceil(E / per) units carry some (FoldedExactSplits).
+inline int FoldedExactPerUnit(int num_exact, int hist_splits) {
+  return (num_exact + hist_splits - 1) / hist_splits;
+}
 inline int FoldedExactSplits(int num_exact, int hist_splits) {
   if (num_exact <= 0 || hist_splits <= 0) return 0;
-  const int per = (num_exact + hist_splits - 1) / hist_splits;
+  const int per = FoldedExactPerUnit(num_exact, hist_splits);
   return (num_exact + per - 1) / per;
 }
 
