@@ -16,8 +16,7 @@ namespace oscarkv {
 inline size_t FillKvChunk(const ModelLayout& layout, int layer, int64_t start_token, int64_t n,
                           const bf16_bits* k, const bf16_bits* v, v1::KvChunk* c) {
   const int layers = layer < 0 ? layout.num_layers : 1;
-  const size_t bytes =
-      size_t(layers) * n * layout.num_kv_heads * layout.head_dim * sizeof(bf16_bits);
+  const size_t bytes = size_t(layers) * n * layout.kv_row_elems() * sizeof(bf16_bits);
   c->set_layer(layer);
   c->set_start_token(start_token);
   c->set_num_tokens(static_cast<int32_t>(n));

@@ -11,8 +11,6 @@
 namespace oscarkv {
 namespace {
 
-size_t RowElems(const ModelLayout& l) { return size_t(l.num_kv_heads) * l.head_dim; }
-
 template <typename T>
 void AppendBytes(const std::string& bytes, std::vector<T>* out) {
   const size_t n = bytes.size() / sizeof(T);
@@ -98,7 +96,7 @@ absl::StatusOr<PutResult> KvClient::PutSequence(const std::string& sequence_id,
   if (tokens <= 0) return absl::InvalidArgumentError("PutSequence needs at least one token");
   OSCARKV_ASSIGN_OR_RETURN(std::unique_ptr<PutStream> stream,
                            OpenPut(sequence_id, model, layout, pin, tokens));
-  const size_t row = RowElems(layout);
+  const size_t row = layout.kv_row_elems();
   const int64_t token_bytes = int64_t(row) * 2 * 2;
   const int64_t per_chunk =
       std::max<int64_t>(1, std::min(options_.chunk_bytes, options_.max_message_bytes - (64 << 10)) /
@@ -234,7 +232,7 @@ absl::StatusOr<std::vector<AttendOutput>> AttendSession::Call(
     item->set_layer(q.layer);
     item->set_q(reinterpret_cast<const char*>(q.q), size_t(l.num_q_heads) * l.head_dim * 4);
     if (q.k != nullptr && q.v != nullptr) {
-      const size_t kv = size_t(l.num_kv_heads) * l.head_dim * 2;
+      const size_t kv = l.kv_row_elems() * 2;
       item->set_k(reinterpret_cast<const char*>(q.k), kv);
       item->set_v(reinterpret_cast<const char*>(q.v), kv);
       item->set_position(q.position);

@@ -18,6 +18,8 @@ struct ModelLayout {
   int head_dim = 0;
 
   int gqa_group() const { return num_kv_heads > 0 ? num_q_heads / num_kv_heads : 0; }
+  // Elements of one token's K (or V) row of one layer: all kv heads.
+  size_t kv_row_elems() const { return size_t(num_kv_heads) * head_dim; }
   std::string DebugString() const;
   friend bool operator==(const ModelLayout& a, const ModelLayout& b) {
     return a.num_layers == b.num_layers && a.num_q_heads == b.num_q_heads &&

@@ -189,7 +189,7 @@ int Main() {
                 reg.ok() ? ("rotation " + reg->rotation_id()).c_str() : "already in use");
     model = calibrated;
   }
-  const size_t row = size_t(layout.num_kv_heads) * layout.head_dim;
+  const size_t row = layout.kv_row_elems();
   const size_t qsize = size_t(layout.num_q_heads) * layout.head_dim;
   std::vector<SyntheticLayer> kept(L);  // probe layers whole; others: queries + decode tokens
   std::mutex mu;

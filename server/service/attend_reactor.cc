@@ -65,7 +65,7 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
           " q heads x ", layout.head_dim, " head_dim x 4 bytes (FP32)"));
     }
     if (!item.k().empty() || !item.v().empty()) {
-      const size_t kv_bytes = size_t(layout.num_kv_heads) * layout.head_dim * sizeof(bf16_bits);
+      const size_t kv_bytes = layout.kv_row_elems() * sizeof(bf16_bits);
       if (item.k().size() != kv_bytes || item.v().size() != kv_bytes) {
         return absl::InvalidArgumentError(absl::StrCat(
             "fused append: k has ", item.k().size(), " and v ", item.v().size(),
