@@ -202,7 +202,9 @@ inline void WeightedRowSum(const float* p, const float* tile, int c, float* acc)
 // are materialized a chunk at a time into an L1-sized tile. kTiled: logits
 // 4 heads x 4 tokens at a time (LogitsTile), else token by token; measured
 // (dev VM, 2026-11-29, RESULTS): tiled is 1.4x faster on dequantized pages
-// and 10 % slower on BF16 rows, so each path takes its faster one.
+// and 10 % slower in the BF16 baseline (AttendBf16KvHead), which therefore
+// runs untiled; the compressed path's few BF16 sink / recent blocks run tiled
+// (not measured separately).
 template <int D, bool kTiled, typename KRow, typename VRow>
 void AccumulateTokensD(GroupState& st, const float* qs, float scale, int n, KRow&& krow,
                        VRow&& vrow, float* tile) {

@@ -393,8 +393,8 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
         }
       }
       __syncthreads();
-      // Each warp quantizes rows warp, warp + 8, ...; clip searches of kRows
-      // rows at a time.
+      // Each warp quantizes rows warp, warp + kEncodeWarps, ...; clip
+      // searches of kRows rows at a time.
       constexpr int kRows = 4;
       for (int i0 = warp; i0 < n; i0 += kEncodeWarps * kRows) {
         const float* yr[kRows];

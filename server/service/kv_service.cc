@@ -153,15 +153,14 @@ absl::Status KvCacheService::DoLoadCalibration(const v1::LoadCalibrationRequest&
       // A path is read here, through a checked descriptor (calibration_path.h),
       // and parsed from its bytes like content.
       std::string bytes;
+      const std::string* source = &request.content();
       if (request.source_case() == v1::LoadCalibrationRequest::kPath) {
         OSCARKV_ASSIGN_OR_RETURN(bytes, ReadCalibrationFile(ctx_.calibration_dir, request.path(),
                                                             kMaxCalibrationFileBytes));
+        source = &bytes;
       }
-      const std::string& source = request.source_case() == v1::LoadCalibrationRequest::kPath
-                                      ? bytes
-                                      : request.content();
       OSCARKV_ASSIGN_OR_RETURN(rotation,
-                               ctx_.calibration_reader(source, /*is_path=*/false, nullptr));
+                               ctx_.calibration_reader(*source, /*is_path=*/false, nullptr));
       break;
     }
     default:

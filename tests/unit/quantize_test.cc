@@ -197,13 +197,6 @@ TEST(Layout, RejectsBadShapesWithClearMessages) {
   EXPECT_FALSE(ValidateTiers(TierConfig{64, 256, 0}).ok());
 }
 
-}  // namespace
-}  // namespace oscarkv
-
-namespace oscarkv {
-namespace {
-
-// The fast selection path must agree with a full sort for every ratio and shape.
 TEST(Clip, ThresholdReturnsForRowsWithNaN) {
   // Validated ingest never has one, but a rotation can overflow; the
   // selection must still end (its answer is then not meaningful).
@@ -218,6 +211,7 @@ TEST(Clip, ThresholdReturnsForRowsWithNaN) {
   SUCCEED();
 }
 
+// The fast selection path must agree with a full sort for every ratio and shape.
 TEST(Clip, ThresholdMatchesFullSortForAllRatios) {
   for (int d : {64, 128, 256}) {
     for (int trial = 0; trial < 30; ++trial) {
