@@ -65,15 +65,6 @@ class BadInput : public ::testing::Test {
     }
     EXPECT_EQ(free, free0_ + committed_bytes_) << "pool bytes leaked";
   }
-  void ExpectStatus(const grpc::Status& s, grpc::StatusCode code, const std::string& text) {
-    EXPECT_EQ(s.error_code(), code) << s.error_message();
-    EXPECT_THAT(s.error_message(), HasSubstr(text));
-  }
-  void ExpectStatus(const absl::Status& s, absl::StatusCode code, const std::string& text) {
-    EXPECT_EQ(s.code(), code) << s;
-    EXPECT_THAT(std::string(s.message()), HasSubstr(text));
-  }
-
   TestServer ts_;
   KvData data_ = MakeKv(TinyLayout(), 40, 11);
   int64_t free0_ = 0;

@@ -51,11 +51,6 @@ class CalibrationDir : public ::testing::Test {
     req.set_path(path);
     return client.LoadCalibration(req).status();
   }
-  static void ExpectStatus(const absl::Status& s, absl::StatusCode code, const std::string& text) {
-    EXPECT_EQ(s.code(), code) << s;
-    EXPECT_THAT(std::string(s.message()), HasSubstr(text));
-  }
-
   std::string dir_, outside_;
 };
 

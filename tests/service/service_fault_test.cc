@@ -126,7 +126,7 @@ ServerOptions SmallPool(EvictionPolicy policy) {
 }
 
 TEST(Fault, FullPoolEvictsLeastRecentlyUsedUnpinnedSequence) {
-  if (TinyTiers().page_tokens != 8) GTEST_SKIP() << "token counts and tier sizes written for 8-token pages";
+  OSCARKV_SKIP_UNLESS_8_TOKEN_PAGES();
   TestServer ts(SmallPool(EvictionPolicy::kLru));
   ASSERT_NE(ts.client, nullptr);
   const KvData data = MakeKv(TinyLayout(), 100, 3);
@@ -158,7 +158,7 @@ TEST(Fault, FullPoolEvictsLeastRecentlyUsedUnpinnedSequence) {
 }
 
 TEST(Fault, HopelessRequestEvictsNothing) {
-  if (TinyTiers().page_tokens != 8) GTEST_SKIP() << "token counts and tier sizes written for 8-token pages";
+  OSCARKV_SKIP_UNLESS_8_TOKEN_PAGES();
   TestServer ts(SmallPool(EvictionPolicy::kLru));
   ASSERT_NE(ts.client, nullptr);
   const KvData data = MakeKv(TinyLayout(), 100, 6);
@@ -181,7 +181,7 @@ TEST(Fault, HopelessRequestEvictsNothing) {
 }
 
 TEST(Fault, FullPoolWithRefusePolicyIsResourceExhaustedAndChangesNothing) {
-  if (TinyTiers().page_tokens != 8) GTEST_SKIP() << "token counts and tier sizes written for 8-token pages";
+  OSCARKV_SKIP_UNLESS_8_TOKEN_PAGES();
   TestServer ts(SmallPool(EvictionPolicy::kRefuse));
   ASSERT_NE(ts.client, nullptr);
   const KvData data = MakeKv(TinyLayout(), 100, 4);

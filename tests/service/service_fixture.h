@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "client/kv_client.h"
+#include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/layout.h"
 #include "kernels/numeric.h"
@@ -44,6 +45,21 @@ inline TierConfig TinyTiers() {
   const char* p = std::getenv("OSCARKV_TEST_PAGE_TOKENS");
   const int page = p && *p ? std::atoi(p) : (TestBackend() == "cpu" ? 8 : 32);
   return page == 8 ? TierConfig{8, 16, 8} : TierConfig{8, page, page};
+}
+
+// For tests whose token counts and tier sizes are written for 8-token pages.
+#define OSCARKV_SKIP_UNLESS_8_TOKEN_PAGES()                                    \
+  if (::oscarkv::testing::TinyTiers().page_tokens != 8)                        \
+  GTEST_SKIP() << "token counts and tier sizes written for 8-token pages"
+
+// A failed call: its status code, and a message that contains `text`.
+inline void ExpectStatus(const absl::Status& s, absl::StatusCode code, const std::string& text) {
+  EXPECT_EQ(s.code(), code) << s;
+  EXPECT_THAT(std::string(s.message()), ::testing::HasSubstr(text));
+}
+inline void ExpectStatus(const grpc::Status& s, grpc::StatusCode code, const std::string& text) {
+  EXPECT_EQ(s.error_code(), code) << s.error_message();
+  EXPECT_THAT(s.error_message(), ::testing::HasSubstr(text));
 }
 
 inline ServerOptions TinyServerOptions(size_t pool_bytes = size_t{8} << 20) {
@@ -81,7 +97,7 @@ struct KvData {
   ModelLayout layout;
   int64_t tokens = 0;
   std::vector<bf16_bits> k, v;
-  size_t row() const { return size_t(layout.num_kv_heads) * layout.head_dim; }
+  size_t row() const { return layout.kv_row_elems(); }
   const bf16_bits* k_at(int layer, int64_t t) const { return k.data() + (size_t(layer) * tokens + t) * row(); }
   const bf16_bits* v_at(int layer, int64_t t) const { return v.data() + (size_t(layer) * tokens + t) * row(); }
   // The first n tokens of every layer.

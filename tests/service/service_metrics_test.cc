@@ -31,7 +31,7 @@ double Sample(const std::string& text, const std::string& series) {
 }
 
 TEST(Metrics, CountersAndGaugesEqualAKnownWorkload) {
-  if (TinyTiers().page_tokens != 8) GTEST_SKIP() << "token counts and tier sizes written for 8-token pages";
+  OSCARKV_SKIP_UNLESS_8_TOKEN_PAGES();
   TestServer ts;
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();

@@ -18,7 +18,7 @@ using ::testing::SizeIs;
 constexpr int kGroup = 64;   // G = D for the tiny model
 
 TEST(Service, PutThenGetBf16IsBitExactOnSinkAndRecentAndBoundedOnHistory) {
-  if (TinyTiers().page_tokens != 8) GTEST_SKIP() << "token counts and tier sizes written for 8-token pages";
+  OSCARKV_SKIP_UNLESS_8_TOKEN_PAGES();
   TestServer ts;
   ASSERT_NE(ts.client, nullptr);
   const KvData data = MakeKv(TinyLayout(), 100, 1);
@@ -94,7 +94,7 @@ TEST(Service, AttendEqualsLocalAttentionOnFetchedPagesAndFp64Reference) {
 }
 
 TEST(Service, AppendAcrossDemotionBoundaryKeepsTiersAndAttention) {
-  if (TinyTiers().page_tokens != 8) GTEST_SKIP() << "token counts and tier sizes written for 8-token pages";
+  OSCARKV_SKIP_UNLESS_8_TOKEN_PAGES();
   TestServer ts;
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
