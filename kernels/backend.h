@@ -4,8 +4,8 @@
 //
 // All pointers inside the job structs point into memory returned by the same
 // backend's Allocate() ("device memory": host memory for the CPU backend),
-// except the job arrays themselves, which are host memory owned by the caller
-// and only read during the call. Kernels never allocate on the request path
+// except the job arrays themselves and an attention item's query and outputs,
+// which are host memory owned by the caller and used during the call only. Kernels never allocate on the request path
 // beyond a workspace sized at construction, and never abort: failures come
 // back as Status.
 //
@@ -96,10 +96,13 @@ struct ExactBlockRef {
 };
 
 // Decode attention of one query token against one sequence-layer's cache.
+// q, out and lse are HOST memory: the caller's query is read during the call
+// and the outputs are written when Attend returns (a GPU backend stages them
+// with its own uploads and downloads, so a call costs one round trip).
 struct AttendItem {
-  const float* q = nullptr;  // [num_q_heads][D] fp32, unrotated
-  float* out = nullptr;      // [num_q_heads][D] fp32
-  float* lse = nullptr;      // [num_q_heads] natural log of sum exp(scale * logit); may be null
+  const float* q = nullptr;  // host [num_q_heads][D] fp32, unrotated
+  float* out = nullptr;      // host [num_q_heads][D] fp32
+  float* lse = nullptr;      // host [num_q_heads] natural log of sum exp(scale * logit); may be null
   RotationRef rotation;
   // Sink and recent blocks, in token order (host array of device pointers).
   const ExactBlockRef* exact = nullptr;

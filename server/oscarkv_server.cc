@@ -171,15 +171,6 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   s->store_ = std::make_unique<SequenceStore>(s->backend_.get(), s->pool_.get(), &s->models_,
                                               options.eviction);
   for (const auto& m : s->models_.List()) OSCARKV_RETURN_IF_ERROR(s->store_->ProbeModel(*m));
-  // Staging for Attend messages of up to 64 items of the largest model, for as
-  // many concurrent streams as the pool of cached buffers keeps (4 x <= 16 MiB).
-  size_t item_floats = 0;
-  for (const auto& m : s->models_.List()) {
-    item_floats = std::max(item_floats, 2 * size_t(m->layout.num_q_heads) * m->layout.head_dim +
-                                            size_t(m->layout.num_q_heads));
-  }
-  OSCARKV_RETURN_IF_ERROR(s->store_->WarmStaging(
-      std::min<size_t>(64 * item_floats * sizeof(float), size_t{16} << 20), 4));
 
   s->registry_ = std::move(registry);
   if (s->registry_) {

@@ -8,7 +8,8 @@
 // Thread-safety: an AttendLauncher is NOT thread-safe; the CUDA backend guards
 // its launcher with a mutex. Launch() only enqueues kernels (no allocation, no
 // host synchronization), so a prepared launcher can be captured in a CUDA graph
-// and replayed; the device pointers inside the batch must stay valid.
+// and replayed; the device pointers inside the batch must stay valid (the
+// queries were copied by Prepare).
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_KERNELS_H_
 #define OSCARKV_KERNELS_CUDA_ATTEND_KERNELS_H_
 
@@ -42,15 +43,24 @@ class AttendLauncher {
   AttendLauncher(const AttendLauncher&) = delete;
   AttendLauncher& operator=(const AttendLauncher&) = delete;
 
-  // Checks the batch, plans the work units, grows the workspace if needed
-  // (rarely: it keeps the largest size seen) and enqueues one upload of the
-  // page tables and the schedule from pinned staging memory on `stream`.
-  // The batch's host arrays are read during the call only. Waits for the
-  // previous upload from the staging buffer to finish before reusing it.
+  // Checks the batch (queries included: INVALID_ARGUMENT for a non-finite
+  // value), plans the work units, grows the workspace if needed (rarely: it
+  // keeps the largest size seen) and enqueues one upload of the queries, page
+  // tables and schedule from pinned staging memory on `stream`. The batch's
+  // host arrays and queries are read during the call only. Waits for the
+  // previous upload from the staging buffer to finish before reusing it; the
+  // caller must be done with the previous results (CopyResults).
   absl::Status Prepare(const AttendBatch& batch, cudaStream_t stream);
 
-  // Enqueues the kernels of the last prepared batch on `stream`.
+  // Enqueues the kernels of the last prepared batch on `stream`. They write
+  // the outputs into the launcher's workspace.
   absl::Status Launch(cudaStream_t stream) const;
+
+  // Enqueues one download of every output of the last launch into the pinned
+  // staging buffer; once `stream` has reached it, CopyResults(batch) (the
+  // batch given to Prepare) writes them to the items' host out and lse.
+  absl::Status FetchResults(cudaStream_t stream) const;
+  void CopyResults(const AttendBatch& batch) const;
 
   const AttendSchedule& schedule() const { return schedule_; }
 

@@ -1,7 +1,7 @@
 // Host side of the CUDA decode attention: checks a batch, cuts it into work
 // units (exact blocks, then history page ranges sized so that the split kernel
-// runs in one wave), uploads the page tables and the schedule in one copy from
-// pinned memory, and launches.
+// runs in one wave), uploads the queries, page tables and schedule in one copy
+// from pinned memory, launches, and brings every output back in one copy.
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -26,6 +26,11 @@ using cuda_attend::WorkUnit;
 struct AttendLauncher::Prepared {
   LaunchArgs args{};
   LaunchShape shape{};
+  // The outputs: one region of the workspace, [item][Hq * D + Hq] floats
+  // (out, then lse), downloaded to the pinned staging at `host_results`.
+  size_t results_offset = 0;  // in the workspace
+  size_t host_results = 0;    // in the staging buffer
+  size_t results_bytes = 0;
 };
 
 namespace {
@@ -123,15 +128,21 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     return absl::InvalidArgumentError("attention batch too large for one launch");
   }
 
-  // Layout: [items][page table][exact blocks][work] (uploaded), then
-  // [qfrag][qmeta][qexact][partials] (device only).
+  // Layout: [items][page table][exact blocks][work][queries] (uploaded), then
+  // [results][qfrag][qmeta][qexact][partials] (device only); the staging
+  // buffer holds the upload region, then the downloaded results.
   const int nt = g > 4 ? 2 : 1;
+  const size_t q_floats = size_t(b.num_q_heads) * D;
+  const size_t result_floats = q_floats + b.num_q_heads;  // out, then lse
   const size_t off_items = 0;
   const size_t off_pages = AlignUp(off_items + sizeof(ItemPlan) * n);
   const size_t off_exact = AlignUp(off_pages + sizeof(void*) * total_pages);
   const size_t off_work = AlignUp(off_exact + sizeof(ExactBlockRef) * total_exact);
-  const size_t upload = AlignUp(off_work + sizeof(WorkUnit) * num_work);
-  const size_t off_qfrag = upload;
+  const size_t off_q = AlignUp(off_work + sizeof(WorkUnit) * num_work);
+  const size_t upload = AlignUp(off_q + size_t(n) * q_floats * 4);
+  const size_t off_results = upload;
+  const size_t results_bytes = size_t(n) * result_floats * 4;
+  const size_t off_qfrag = AlignUp(off_results + results_bytes);
   const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
   const size_t off_qexact =
       AlignUp(off_qmeta + size_t(n) * b.num_q_heads * cuda_attend::kQueryMetaFloats * 4);
@@ -139,24 +150,31 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t total =
       AlignUp(off_part + size_t(sizes.partials) * cuda_attend::PartialFloats(g, D) * 4);
 
-  // The staging buffer may still feed the previous upload.
+  // The staging buffer may still feed the previous upload (the caller has
+  // waited for the previous download before it calls Prepare again).
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(upload_done_));
-  OSCARKV_RETURN_IF_ERROR(Reserve(upload, total));
+  OSCARKV_RETURN_IF_ERROR(Reserve(upload + results_bytes, total));
   auto* host = static_cast<uint8_t*>(staging_);
   auto* dev = static_cast<uint8_t*>(workspace_);
   auto* items = reinterpret_cast<ItemPlan*>(host + off_items);
   auto* pages = reinterpret_cast<const uint8_t**>(host + off_pages);
   auto* exact = reinterpret_cast<ExactBlockRef*>(host + off_exact);
   auto* work = reinterpret_cast<WorkUnit*>(host + off_work);
+  auto* queries = reinterpret_cast<float*>(host + off_q);
+  auto* dev_queries = reinterpret_cast<float*>(dev + off_q);
+  auto* dev_results = reinterpret_cast<float*>(dev + off_results);
 
   long page_pos = 0, exact_pos = 0;
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = b.items[i];
     ItemPlan& ip = items[i];
     ip = ItemPlan{};
-    ip.q = it.q;
-    ip.out = it.out;
-    ip.lse = it.lse;
+    // The kernels do not check their inputs: a non-finite query is refused here.
+    OSCARKV_RETURN_IF_ERROR(ValidateQuery(it.q, q_floats));
+    std::memcpy(queries + i * q_floats, it.q, q_floats * sizeof(float));
+    ip.q = dev_queries + i * q_floats;
+    ip.out = dev_results + i * result_floats;
+    ip.lse = it.lse != nullptr ? ip.out + q_floats : nullptr;
     ip.rotation = it.rotation;
     ip.pages = reinterpret_cast<const uint8_t* const*>(dev + off_pages) + page_pos;
     ip.exact = reinterpret_cast<const ExactBlockRef*>(dev + off_exact) + exact_pos;
@@ -198,6 +216,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.qexact = reinterpret_cast<float*>(dev + off_qexact);
   a.partials = reinterpret_cast<float*>(dev + off_part);
   prepared_->shape = shape;
+  prepared_->results_offset = off_results;
+  prepared_->host_results = upload;
+  prepared_->results_bytes = results_bytes;
 
   schedule_.num_items = n;
   schedule_.exact_units = static_cast<int>(sizes.exact_units);
@@ -210,6 +231,29 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
 
 absl::Status AttendLauncher::Launch(cudaStream_t stream) const {
   return cuda_attend::LaunchAttention(prepared_->args, prepared_->shape, stream);
+}
+
+absl::Status AttendLauncher::FetchResults(cudaStream_t stream) const {
+  const Prepared& p = *prepared_;
+  if (p.results_bytes == 0) return absl::OkStatus();
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<uint8_t*>(staging_) + p.host_results,
+                                               static_cast<const uint8_t*>(workspace_) +
+                                                   p.results_offset,
+                                               p.results_bytes, cudaMemcpyDeviceToHost, stream));
+  return absl::OkStatus();
+}
+
+void AttendLauncher::CopyResults(const AttendBatch& b) const {
+  const size_t q_floats = size_t(b.num_q_heads) * b.geom.head_dim;
+  const size_t result_floats = q_floats + b.num_q_heads;
+  const auto* results = reinterpret_cast<const float*>(static_cast<const uint8_t*>(staging_) +
+                                                       prepared_->host_results);
+  for (int i = 0; i < b.num_items; ++i) {
+    const AttendItem& it = b.items[i];
+    const float* r = results + i * result_floats;
+    std::memcpy(it.out, r, q_floats * sizeof(float));
+    if (it.lse != nullptr) std::memcpy(it.lse, r + q_floats, b.num_q_heads * sizeof(float));
+  }
 }
 
 }  // namespace oscarkv

@@ -160,9 +160,13 @@ class CudaBackend final : public Backend {
 
   absl::Status Attend(const AttendBatch& batch) override {
     std::lock_guard<std::mutex> lock(mu_);
+    // One upload (queries, tables), the kernels, one download, one wait.
     OSCARKV_RETURN_IF_ERROR(launcher_->Prepare(batch, stream_));
     OSCARKV_RETURN_IF_ERROR(launcher_->Launch(stream_));
-    return CudaStatus(cudaStreamSynchronize(stream_), "Attend");
+    OSCARKV_RETURN_IF_ERROR(launcher_->FetchResults(stream_));
+    OSCARKV_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "Attend"));
+    launcher_->CopyResults(batch);
+    return absl::OkStatus();
   }
 
  private:

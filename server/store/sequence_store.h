@@ -189,8 +189,7 @@ class SequenceStore {
 
   // Many attention items at once: every distinct sequence is locked once
   // (in address order), fused appends run in item order, and the items of
-  // each model go to the backend in one batch. Each task gets its own status;
-  // the return value is only for failures of the whole call (staging memory).
+  // each model go to the backend in one batch. Each task gets its own status.
   struct AttendTask {
     SequenceHandle* seq = nullptr;
     int layer = 0;
@@ -203,7 +202,7 @@ class SequenceStore {
     int64_t tokens = 0;    // out: tokens attended
     absl::Status status;   // out
   };
-  absl::Status AttendMany(std::vector<AttendTask>& tasks);
+  void AttendMany(std::vector<AttendTask>& tasks);
 
   absl::Status ReadCompressed(SequenceHandle& seq, int layer, CompressedLayer* out);
   // Whole layer in BF16 [T][Hkv][D]: sink and recent bit-exact, history decoded.
@@ -219,10 +218,6 @@ class SequenceStore {
   StoreStats Stats() const;
   // Committed sequences of `model`.
   int64_t CountSequences(const std::string& model) const;
-
-  // Allocates `count` attention staging buffers of `bytes` at start, so that
-  // Attend messages up to that size allocate nothing on the request path.
-  absl::Status WarmStaging(size_t bytes, int count);
 
   // Runs one tiny encode + attention for `model` on the backend (one exact
   // block and one page from the pool, returned afterwards), so a model the

@@ -1,5 +1,5 @@
 // The read side of SequenceStore: attention (with the fused append), copies
-// of a layer out in the COMPRESSED or BF16 form, the staging buffers they use,
+// of a layer out in the COMPRESSED or BF16 form, the decode scratch buffers,
 // and the registration-time backend probe. See sequence_store.h.
 #include <algorithm>
 #include <cmath>
@@ -42,14 +42,6 @@ absl::StatusOr<DeviceBuffer> SequenceStore::TakeStaging(size_t bytes) {
   return backend_->Allocate(bytes);
 }
 
-absl::Status SequenceStore::WarmStaging(size_t bytes, int count) {
-  for (int i = 0; i < count; ++i) {
-    OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer b, backend_->Allocate(bytes));
-    ReturnStaging(std::move(b));
-  }
-  return absl::OkStatus();
-}
-
 void SequenceStore::ReturnStaging(DeviceBuffer buffer) {
   // Keep at most 64 buffers and 64 MiB for reuse; a larger one is freed.
   constexpr size_t kMaxCachedBytes = size_t{64} << 20;
@@ -73,28 +65,13 @@ absl::Status SequenceStore::Attend(SequenceHandle& seq, int layer, const float* 
   t.position = position;
   t.out = out;
   t.lse = lse;
-  OSCARKV_RETURN_IF_ERROR(AttendMany(tasks));
+  AttendMany(tasks);
   if (tokens) *tokens = t.tokens;
   return t.status;
 }
 
-absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
-  // Staging layout: every task's q [Hq*D] (the region uploaded), then every
-  // task's out [Hq*D] and lse [Hq] (the region downloaded), floats.
-  std::vector<size_t> q_offset(tasks.size()), out_offset(tasks.size());
-  size_t q_floats = 0, out_floats = 0;
-  for (size_t i = 0; i < tasks.size(); ++i) {
-    const ModelLayout& l = (*tasks[i].seq)->model().layout;
-    q_offset[i] = q_floats;
-    out_offset[i] = out_floats;
-    q_floats += size_t(l.num_q_heads) * l.head_dim;
-    out_floats += size_t(l.num_q_heads) * l.head_dim + size_t(l.num_q_heads);
-  }
-  const size_t floats = q_floats + out_floats;
-  if (floats == 0) return absl::OkStatus();
-  OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer staging, TakeStaging(floats * sizeof(float)));
-  float* base = staging.as<float>();
-
+void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
+  if (tasks.empty()) return;
   // Lock every distinct sequence once, in address order.
   std::vector<Sequence*> seqs;
   for (const AttendTask& t : tasks) seqs.push_back(&**t.seq);
@@ -152,44 +129,23 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
       return absl::OkStatus();
     }();
   }
-  // The queries of all items in one upload (one device round trip per call,
-  // not one per item), and below, all outputs in one download. Host staging
-  // for the larger of the two regions: one buffer per calling thread, kept
-  // between calls and only grown (copies return once `src` may be reused).
-  thread_local std::vector<float> host_staging;
-  if (host_staging.size() < std::max(q_floats, out_floats)) {
-    host_staging.resize(std::max(q_floats, out_floats));
-  }
-  float* const host = host_staging.data();
-  for (size_t i = 0; i < tasks.size(); ++i) {
-    if (!tasks[i].status.ok()) continue;
-    const ModelLayout& l = (*tasks[i].seq)->model().layout;
-    std::copy_n(tasks[i].q, size_t(l.num_q_heads) * l.head_dim, host + q_offset[i]);
-  }
-  float* const out_base = base + q_floats;
-  if (const absl::Status up = backend_->CopyToDevice(base, host, q_floats * sizeof(float));
-      !up.ok()) {
-    for (AttendTask& t : tasks) {
-      if (t.status.ok()) t.status = up;
-    }
-  }
-
-  // One backend batch per model, over the items still OK.
+  // One backend batch per model, over the items still OK. The queries and
+  // outputs are the tasks' own host buffers: the backend moves them (for the
+  // GPU, in the same upload and download as the rest of the call).
   std::vector<const ModelEntry*> models;
   for (const AttendTask& t : tasks) models.push_back(&(*t.seq)->model());
   std::vector<const ModelEntry*> distinct = models;
   std::sort(distinct.begin(), distinct.end());
   distinct.erase(std::unique(distinct.begin(), distinct.end()), distinct.end());
   for (const ModelEntry* m : distinct) {
-    const size_t qf = size_t(m->layout.num_q_heads) * m->layout.head_dim;
     std::vector<AttendItem> items;
     std::vector<size_t> which;
     for (size_t i = 0; i < tasks.size(); ++i) {
       if (models[i] != m || !tasks[i].status.ok()) continue;
       AttendItem item;
-      item.q = base + q_offset[i];
-      item.out = out_base + out_offset[i];
-      item.lse = out_base + out_offset[i] + qf;
+      item.q = tasks[i].q;
+      item.out = tasks[i].out;
+      item.lse = tasks[i].lse;
       item.rotation = m->codecs[tasks[i].layer].rotation;
       item.exact = refs[i].exact.data();
       item.num_exact = static_cast<int>(refs[i].exact.size());
@@ -208,27 +164,6 @@ absl::Status SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     const absl::Status s = backend_->Attend(batch);
     for (size_t i : which) tasks[i].status = s;
   }
-  bool any_ok = false;
-  for (const AttendTask& t : tasks) any_ok = any_ok || t.status.ok();
-  if (any_ok) {
-    const absl::Status down =
-        backend_->CopyToHost(host, out_base, out_floats * sizeof(float));
-    for (size_t i = 0; i < tasks.size(); ++i) {
-      AttendTask& t = tasks[i];
-      if (!t.status.ok()) continue;
-      if (!down.ok()) {
-        t.status = down;
-        continue;
-      }
-      const ModelLayout& l = (*t.seq)->model().layout;
-      const size_t qf = size_t(l.num_q_heads) * l.head_dim;
-      std::copy_n(host + out_offset[i], qf, t.out);
-      if (t.lse) std::copy_n(host + out_offset[i] + qf, size_t(l.num_q_heads), t.lse);
-    }
-  }
-  locks.clear();
-  ReturnStaging(std::move(staging));
-  return absl::OkStatus();
 }
 
 absl::Status SequenceStore::ReadCompressed(SequenceHandle& seq, int layer, CompressedLayer* out) {
@@ -303,17 +238,13 @@ absl::Status SequenceStore::ProbeModel(const ModelEntry& m) {
     job.clip_v = m.codecs[0].clip_v;
     OSCARKV_RETURN_IF_ERROR(backend_->EncodePages(m.geom, &job, 1));
     const size_t q_floats = size_t(m.layout.num_q_heads) * m.layout.head_dim;
-    OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer staging,
-                             TakeStaging((2 * q_floats + m.layout.num_q_heads) * sizeof(float)));
-    std::vector<float> q(q_floats, 0.01f);
-    OSCARKV_RETURN_IF_ERROR(backend_->CopyToDevice(staging.as<float>(), q.data(),
-                                                   q_floats * sizeof(float)));
+    std::vector<float> q(q_floats, 0.01f), out(q_floats), lse(m.layout.num_q_heads);
     ExactBlockRef exact{pool_->block(block), 1};
     const uint8_t* pages[1] = {pool_->page(page)};
     AttendItem item;
-    item.q = staging.as<float>();
-    item.out = staging.as<float>() + q_floats;
-    item.lse = staging.as<float>() + 2 * q_floats;
+    item.q = q.data();
+    item.out = out.data();
+    item.lse = lse.data();
     item.rotation = m.codecs[0].rotation;
     item.exact = &exact;
     item.num_exact = 1;
@@ -325,9 +256,7 @@ absl::Status SequenceStore::ProbeModel(const ModelEntry& m) {
     batch.scale = 1.0f / std::sqrt(float(m.layout.head_dim));
     batch.items = &item;
     batch.num_items = 1;
-    absl::Status s = backend_->Attend(batch);
-    ReturnStaging(std::move(staging));
-    return s;
+    return backend_->Attend(batch);
   }();
   res.ReturnBlock(block);
   pool_->FreePages(&page, 1);

@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstring>
 #include <fstream>
+#include <limits>
 #include <memory>
 #include <string>
 #include <vector>
@@ -313,19 +314,18 @@ int Main(int argc, char** argv) {
     std::vector<std::unique_ptr<AttendLauncher>> launchers;
     std::vector<std::vector<std::vector<const uint8_t*>>> tables(sets);
     std::vector<std::vector<std::vector<ExactBlockRef>>> exacts(sets);
-    auto q = gputest::Upload(backend, std::vector<float>(size_t(sh.batch) * Hq * D, 0.0f));
-    CKS(q.status());
+    // Queries and outputs are host memory (Prepare uploads the queries; the
+    // whole Backend::Attend calls below write the outputs).
+    std::vector<float> qh(size_t(sh.batch) * Hq * D);
     {
-      std::vector<float> qh(size_t(sh.batch) * Hq * D);
       uint64_t s = 12345;
       for (auto& x : qh) {
         s = s * 6364136223846793005ull + 1442695040888963407ull;
         x = (float(s >> 40) / float(1ull << 24) - 0.5f) * 4.0f;
       }
-      CKS(backend.CopyToDevice(q->data(), qh.data(), qh.size() * 4));
     }
-    auto outb = backend.Allocate(size_t(sets) * sh.batch * Hq * (D + 1) * 4);
-    CKS(outb.status());
+    std::vector<float> outh(size_t(sets) * sh.batch * Hq * (D + 1),
+                            std::numeric_limits<float>::quiet_NaN());
     std::vector<std::vector<AttendItem>> items(sets);
     for (int s = 0; s < sets; ++s) {
       tables[s].resize(sh.batch);
@@ -348,8 +348,8 @@ int Main(int argc, char** argv) {
           }
           exacts[s][b].push_back({blocks->as<bf16_bits>() + size_t(blk) * block_elems, tok});
         }
-        float* o = outb->as<float>() + (size_t(s) * sh.batch + b) * Hq * (D + 1);
-        items[s].push_back(AttendItem{q->as<float>() + size_t(b) * Hq * D, o, o + Hq * D, rref,
+        float* o = outh.data() + (size_t(s) * sh.batch + b) * Hq * (D + 1);
+        items[s].push_back(AttendItem{qh.data() + size_t(b) * Hq * D, o, o + Hq * D, rref,
                                       exacts[s][b].data(), nexact, tables[s][b].data(), npages});
       }
       auto l = AttendLauncher::Create(0);
@@ -405,11 +405,9 @@ int Main(int argc, char** argv) {
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count());
     }
     const double call_us = Median(call);
-    // Every output written and finite.
-    auto o = gputest::Download<float>(backend, outb->data(), size_t(sets) * sh.batch * Hq * (D + 1));
-    CKS(o.status());
+    // Every output written (they start as NaN) and finite.
     size_t bad = 0, nonzero = 0;
-    for (float x : *o) {
+    for (float x : outh) {
       bad += !std::isfinite(x);
       nonzero += x != 0.0f;
     }
