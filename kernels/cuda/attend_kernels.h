@@ -17,7 +17,9 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <map>
 #include <memory>
+#include <utility>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
@@ -115,6 +117,8 @@ class AttendLauncher {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   cudaEvent_t upload_done_ = nullptr;
+  // Resident blocks per SM of each split kernel used so far (by shape and variant).
+  std::map<std::pair<int, int>, int> split_blocks_per_sm_;
 
   // The prepared launch.
   struct Prepared;

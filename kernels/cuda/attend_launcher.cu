@@ -6,6 +6,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -116,7 +117,14 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     total_pages += b.items[i].num_pages;
     total_exact += b.items[i].num_exact;
   }
-  OSCARKV_ASSIGN_OR_RETURN(const int per_sm, cuda_attend::SplitBlocksPerSm(shape));
+  // Resident split blocks per SM: a driver query, asked once per kernel.
+  const std::pair<int, int> kernel_key{(D * 8 + shape.groups) * 2 + (shape.g8 ? 1 : 0), variant_};
+  auto known = split_blocks_per_sm_.find(kernel_key);
+  if (known == split_blocks_per_sm_.end()) {
+    OSCARKV_ASSIGN_OR_RETURN(const int blocks, cuda_attend::SplitBlocksPerSm(shape));
+    known = split_blocks_per_sm_.emplace(kernel_key, blocks).first;
+  }
+  const int per_sm = known->second;
   const long capacity = std::max<long>(1, long(per_sm) * num_sms_);
   const cuda_attend::UnitSizes sizes = cuda_attend::SizeAttendUnits(
       b.items, n, H, capacity,

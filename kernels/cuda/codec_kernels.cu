@@ -5,11 +5,14 @@
 #include <mma.h>
 
 #include <algorithm>
+#include <array>
+#include <atomic>
 #include <cmath>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/quantize.h"
+#include "kernels/status_macros.h"
 
 namespace oscarkv {
 namespace {
@@ -468,13 +471,41 @@ __global__ void __launch_bounds__(D)
   }
 }
 
+constexpr int kMaxCachedDevices = 64;
+using PerDevice = std::array<std::atomic<int>, kMaxCachedDevices>;
+
+// Resident blocks of `kernel` on the whole current device, after raising its
+// dynamic shared-memory limit to `smem`. Both are driver calls that cost more
+// than a small launch (a demotion batch of 64 pages encodes in ~45 µs), so the
+// answer is kept per device in `cache` (one per kernel instantiation).
+template <typename Kernel>
+absl::StatusOr<int> ResidentBlocks(Kernel kernel, int threads, size_t smem, PerDevice& cache) {
+  int device = 0;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  if (cached) {
+    const int known = cache[device].load(std::memory_order_relaxed);
+    if (known > 0) return known;
+  }
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem)));
+  int sms = 0, per_sm = 0;
+  OSCARKV_CUDA_RETURN_IF_ERROR(
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  OSCARKV_CUDA_RETURN_IF_ERROR(
+      cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem));
+  const int blocks = std::max(sms, 1) * std::max(per_sm, 1);
+  if (cached) cache[device].store(blocks, std::memory_order_relaxed);
+  return blocks;
+}
+
 template <int D, int G>
 absl::Status LaunchEncodeTiled(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
                                cudaStream_t stream) {
   using S = EncodeShape<D>;
   const auto kernel = EncodeKernel<D, G>;
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
+  static PerDevice setup{};  // the grid is sized by the rows; only the attribute is needed
+  OSCARKV_RETURN_IF_ERROR(ResidentBlocks(kernel, kEncodeThreads, S::kSmem, setup).status());
   const long rows = static_cast<long>(num_jobs) * geom.page_tokens;
   if (rows > (1L << 30)) return absl::InvalidArgumentError("too many encode jobs for one launch");
   const long per_block = static_cast<long>(kEncodeTilesPerBlock) * S::M;
@@ -489,20 +520,15 @@ absl::Status LaunchEncodeStrips(const PageGeometry& geom, const EncodeJob* jobs,
                                 cudaStream_t stream) {
   using S = encode_strips::Shape<D>;
   const auto kernel = encode_strips::EncodeStripsKernel<D, G>;
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-      kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(S::kSmem)));
+  static PerDevice wave{};
+  OSCARKV_ASSIGN_OR_RETURN(const int resident,
+                           ResidentBlocks(kernel, encode_strips::kThreads, S::kSmem, wave));
   const long rows = static_cast<long>(num_jobs) * geom.page_tokens;
   if (rows > (1L << 30)) return absl::InvalidArgumentError("too many encode jobs for one launch");
   const long tiles = (rows + S::M - 1) / S::M;
   const long items = tiles * 2 * geom.kv_heads;
-  int device = 0, sms = 0, per_sm = 0;
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
-  OSCARKV_CUDA_RETURN_IF_ERROR(
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &per_sm, kernel, encode_strips::kThreads, S::kSmem));
   // One wave: each block walks a contiguous range of (kind, head, tile) items.
-  const long blocks = std::min<long>(items, static_cast<long>(sms) * std::max(per_sm, 1));
+  const long blocks = std::min<long>(items, resident);
   kernel<<<static_cast<unsigned>(blocks), encode_strips::kThreads, S::kSmem, stream>>>(
       geom, jobs, num_jobs, static_cast<int>(tiles), items);
   return CudaStatus(cudaGetLastError(), "EncodeStripsKernel launch");

@@ -195,19 +195,45 @@ void BenchAttend(bool quick) {
   for (float& x : q) x = nd(rng);
   std::printf("\n== attend: one layer, %d tokens per sequence (Qwen3-8B heads), %s backend\n",
               tokens, g_backend.c_str());
-  std::printf("%-6s %-7s %-12s %-12s %-16s %-16s %-15s %-10s\n", "seqs", "tokens", "rpc p50 ms", "rpc p99 ms",
-              "in-proc p50 ms", "in-proc p99 ms", "overhead p50 us", "max|diff|");
+  std::printf("%-6s %-7s %-7s %-12s %-12s %-16s %-16s %-15s %-10s\n", "seqs", "tokens", "append",
+              "rpc p50 ms", "rpc p99 ms", "in-proc p50 ms", "in-proc p99 ms", "overhead p50 us",
+              "max|diff|");
   auto session = client->OpenAttend();
   const int reps = quick ? 20 : 60;
   // "small": 64-token sequences, where the compute is negligible and the
-  // difference is the RPC path alone.
-  for (const auto& [batch, prefix] : std::vector<std::pair<int, std::string>>{
-           {1, "att"}, {16, "att"}, {1, "small"}, {16, "small"}}) {
+  // difference is the RPC path alone. "append": every call also appends one
+  // token (the decode step's fused Append+Attend; every 32nd demotes a block
+  // into a page); "apx" sequences, so the others keep their lengths.
+  for (int s = 0; s < 16; ++s) {
+    auto r = client->PutSequence("apx" + std::to_string(s), "q8b1", layout, tokens, k.data(),
+                                 v.data());
+    if (!r.ok()) return;
+  }
+  struct Row {
+    int batch;
+    std::string prefix;
+    bool append;
+  };
+  for (const Row& row : std::vector<Row>{{1, "att", false},
+                                         {16, "att", false},
+                                         {1, "apx", true},
+                                         {16, "apx", true},
+                                         {1, "small", false},
+                                         {16, "small", false}}) {
+    const int batch = row.batch;
+    const std::string& prefix = row.prefix;
     std::vector<AttendQuery> queries;
-    for (int s = 0; s < batch; ++s) queries.push_back(AttendQuery{prefix + std::to_string(s), 0, q.data()});
+    for (int s = 0; s < batch; ++s) {
+      AttendQuery aq{prefix + std::to_string(s), 0, q.data()};
+      if (row.append) {
+        aq.k = k.data();
+        aq.v = v.data();
+      }
+      queries.push_back(aq);
+    }
     std::vector<double> rpc, local;
     double max_diff = 0;  // batched RPC outputs vs one-by-one in-process calls
-    {
+    if (!row.append) {
       auto r = (*session)->Call(queries, {layout}, true);
       std::vector<float> out(q.size()), lse(32);
       for (int j = 0; r.ok() && j < batch; ++j) {
@@ -238,6 +264,10 @@ void BenchAttend(bool quick) {
         for (int j = 0; j < batch; ++j) {
           tasks[j].seq = &handles[j];
           tasks[j].q = q.data();
+          if (row.append) {
+            tasks[j].k = k.data();
+            tasks[j].v = v.data();
+          }
           tasks[j].out = outs[j].data();
           tasks[j].lse = lses[j].data();
         }
@@ -249,10 +279,12 @@ void BenchAttend(bool quick) {
         local.push_back(l * 1e3);
       }
     }
-    std::printf("%-6d %-7d %-12.3f %-12.3f %-16.3f %-16.3f %-15.0f %-10.2g\n", batch,
-                prefix == "att" ? tokens : 64, Pct(rpc, 0.5),
+    char diff[32] = "-";  // appending rows are not compared (each call grows the cache)
+    if (!row.append) std::snprintf(diff, sizeof(diff), "%.2g", max_diff);
+    std::printf("%-6d %-7d %-7s %-12.3f %-12.3f %-16.3f %-16.3f %-15.0f %-10s\n", batch,
+                prefix == "small" ? 64 : tokens, row.append ? "yes" : "no", Pct(rpc, 0.5),
                 Pct(rpc, 0.99), Pct(local, 0.5), Pct(local, 0.99),
-                (Pct(rpc, 0.5) - Pct(local, 0.5)) * 1e3, max_diff);
+                (Pct(rpc, 0.5) - Pct(local, 0.5)) * 1e3, diff);
   }
   (void)(*session)->Close();
 }
