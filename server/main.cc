@@ -133,8 +133,7 @@ int main(int argc, char** argv) {
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   absl::StatusOr<oscarkv::PoolSize> pool = oscarkv::ParsePoolSize(absl::GetFlag(FLAGS_pool_size));
   if (!pool.ok()) return Fail(std::string(pool.status().message()));
-  o.pool_bytes = pool->bytes;
-  o.pool_fraction = pool->fraction;
+  o.pool_size = *pool;
   o.exact_fraction = absl::GetFlag(FLAGS_exact_fraction);
   o.tiers.sink_tokens = absl::GetFlag(FLAGS_sink_tokens);
   o.tiers.recent_window = absl::GetFlag(FLAGS_recent_window);

@@ -82,8 +82,8 @@ absl::StatusOr<PoolSize> ParsePoolSize(const std::string& text) {
 absl::StatusOr<size_t> ResolvePoolBytes(const ServerOptions& options, const Backend& backend,
                                         std::string* note) {
   if (note != nullptr) note->clear();
-  const double fraction = options.pool_fraction;
-  if (fraction == 0) return options.pool_bytes;
+  const double fraction = options.pool_size.fraction;
+  if (fraction == 0) return options.pool_size.bytes;
   if (!(fraction > 0 && fraction < 1)) {
     return absl::InvalidArgumentError(
         absl::StrCat("pool fraction ", fraction, " must be in (0, 1) of available memory"));

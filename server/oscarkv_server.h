@@ -24,6 +24,12 @@
 
 namespace oscarkv {
 
+// A --pool_size value: bytes, or a share of the backend's available memory.
+struct PoolSize {
+  size_t bytes = 0;     // when fraction == 0
+  double fraction = 0;  // in (0, 1); resolved by ResolvePoolBytes once the backend exists
+};
+
 struct ServerOptions {
   std::string listen_address = "127.0.0.1:0";
   std::string backend = "auto";  // auto | cpu | cuda
@@ -32,11 +38,10 @@ struct ServerOptions {
   // threads (0: one per hardware thread).
   int compute_threads = 0;
   int cuda_device = 0;
-  // The one pool allocated at start: pool_fraction of the backend's available
-  // memory (Backend::AvailableBytes: host memory for CPU, free device memory
-  // for CUDA) when pool_fraction > 0, else pool_bytes.
-  size_t pool_bytes = size_t{256} << 20;
-  double pool_fraction = 0;  // 0 or in (0, 1)
+  // The one pool allocated at start: pool_size.fraction of the backend's
+  // available memory (Backend::AvailableBytes: host memory for CPU, free
+  // device memory for CUDA) when it is > 0, else pool_size.bytes.
+  PoolSize pool_size{size_t{256} << 20, 0};
   double exact_fraction = 0.25;  // pool share of BF16 sink/recent blocks
   TierConfig tiers;
   int group_size = 0;  // 0: G = D
@@ -110,19 +115,13 @@ class OscarkvServer {
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, int cpu_threads,
                                                        int cuda_device);
 
-// A --pool_size value: bytes, or a share of the backend's available memory.
-struct PoolSize {
-  size_t bytes = 0;     // when fraction == 0
-  double fraction = 0;  // in (0, 1); resolved by ResolvePoolBytes once the backend exists
-};
-
 // Parses "1073741824", "512MiB", "2GiB", "1.5G" (bytes), or a fraction in (0, 1)
 // such as "0.5" (of the backend's available memory). INVALID_ARGUMENT naming
 // the text otherwise.
 absl::StatusOr<PoolSize> ParsePoolSize(const std::string& text);
 
-// The pool size Start allocates: options.pool_fraction of
-// backend.AvailableBytes() when set, else options.pool_bytes. `note` (may be
+// The pool size Start allocates: options.pool_size.fraction of
+// backend.AvailableBytes() when set, else options.pool_size.bytes. `note` (may be
 // null) gets which memory the fraction was taken of ("" for bytes).
 // INVALID_ARGUMENT for a fraction outside (0, 1); the backend's error when it
 // cannot report its memory.

@@ -24,6 +24,7 @@
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/cuda/attend_schedule.h"
 
 namespace oscarkv {
 
@@ -86,13 +87,11 @@ class AttendLauncher {
   // Takes effect at the next Prepare().
   void set_launch_stages(int stages) { stages_ = stages; }
 
-  // Where the exact (BF16) blocks run: 0 = auto (on the history units when
-  // those are long, the default), 1 = on the history units of every item
-  // with history, 2 = in exact units of their own (see
-  // cuda_attend::FoldExact and SizeAttendUnits). For tests and benchmarks;
-  // the environment variable OSCARKV_CUDA_ATTEND_FOLD sets the initial value.
-  // Takes effect at the next Prepare().
-  void set_fold_exact(int mode) { fold_exact_ = mode; }
+  // Where the exact (BF16) blocks run (cuda_attend::FoldExact and
+  // SizeAttendUnits; kAuto is the default). For tests and benchmarks; the
+  // environment variable OSCARKV_CUDA_ATTEND_FOLD (0 auto, 1 always, 2 never)
+  // sets the initial value. Takes effect at the next Prepare().
+  void set_fold_exact(cuda_attend::FoldExact mode) { fold_exact_ = mode; }
 
   // For benchmarks only, results are wrong: parts of the history loop of
   // variants 0, 3 and 5 to skip, to time the rest in place (bit 1: q·K,
@@ -107,7 +106,7 @@ class AttendLauncher {
   int device_;
   int num_sms_;
   int variant_ = 3;
-  int fold_exact_ = 0;
+  cuda_attend::FoldExact fold_exact_ = cuda_attend::FoldExact::kAuto;
   int ablate_ = 0;
   int stages_ = 3;
   // Pinned staging (host) and the workspace (device): the upload region first,

@@ -49,7 +49,9 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   std::unique_ptr<AttendLauncher> l(new AttendLauncher(device, sms));
   // Operators (and the GPU tests) may pick the split-kernel variant.
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_VARIANT")) l->variant_ = std::atoi(v);
-  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_FOLD")) l->fold_exact_ = std::atoi(v);
+  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_FOLD")) {
+    l->fold_exact_ = cuda_attend::FoldExactFromNumber(std::atoi(v));
+  }
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
   return l;
 }
@@ -126,11 +128,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
   const int per_sm = known->second;
   const long capacity = std::max<long>(1, long(per_sm) * num_sms_);
-  const cuda_attend::UnitSizes sizes = cuda_attend::SizeAttendUnits(
-      b.items, n, H, capacity,
-      fold_exact_ == 1   ? cuda_attend::FoldExact::kAlways
-      : fold_exact_ == 2 ? cuda_attend::FoldExact::kNever
-                         : cuda_attend::FoldExact::kAuto);
+  const cuda_attend::UnitSizes sizes =
+      cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_);
   const long num_work = sizes.num_work();
   if (num_work > (1L << 30) || sizes.partials > (1L << 30) || total_pages > (1L << 30)) {
     return absl::InvalidArgumentError("attention batch too large for one launch");

@@ -41,6 +41,12 @@ enum class FoldExact {
   kNever,   // exact units of their own at every length
 };
 
+// The mode by its number in OSCARKV_CUDA_ATTEND_FOLD and the benchmark's
+// --fold: 0 auto, 1 always, 2 never (anything else: auto).
+inline FoldExact FoldExactFromNumber(int n) {
+  return n == 1 ? FoldExact::kAlways : n == 2 ? FoldExact::kNever : FoldExact::kAuto;
+}
+
 // History units at least this long (in pages) take the exact blocks along
 // under FoldExact::kAuto. (H200, 2026-11-29, one layer, 32 q / 8 kv heads,
 // 32-token pages, GPU side, folded vs exact units of their own: B8 64K 181.1

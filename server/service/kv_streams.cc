@@ -146,10 +146,7 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
     }
     std::vector<bool> seen(m.layout.num_layers, false);
     for (int l : request_.layers()) {
-      if (l < 0 || l >= m.layout.num_layers) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", l, " out of range [0, ",
-                                                       m.layout.num_layers, ")"));
-      }
+      OSCARKV_RETURN_IF_ERROR(m.CheckLayer(l));
       if (seen[l]) {
         return absl::InvalidArgumentError(absl::StrCat("layer ", l, " is listed twice"));
       }

@@ -10,6 +10,14 @@
 
 namespace oscarkv {
 
+absl::Status ModelEntry::CheckLayer(int layer) const {
+  if (layer < 0 || layer >= layout.num_layers) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("layer ", layer, " out of range [0, ", layout.num_layers, ")"));
+  }
+  return absl::OkStatus();
+}
+
 absl::StatusOr<std::shared_ptr<const ModelEntry>> MakeModelEntry(const std::string& name,
                                                                  ModelRotation rotation,
                                                                  const TierConfig& tiers,

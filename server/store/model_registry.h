@@ -16,6 +16,7 @@
 #include <vector>
 
 #include "absl/base/thread_annotations.h"
+#include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/layout.h"
@@ -38,6 +39,9 @@ struct ModelEntry {
 
   // Bytes of one token of one layer in BF16 (K and V).
   size_t bf16_token_bytes() const { return 2 * geom.exact_row_elems() * sizeof(bf16_bits); }
+
+  // INVALID_ARGUMENT ("layer L out of range [0, N)") unless 0 <= layer < N.
+  absl::Status CheckLayer(int layer) const;
 };
 
 // Builds an entry: validates the rotation against the layout and the tiers

@@ -12,19 +12,6 @@
 
 namespace oscarkv {
 
-namespace {
-
-// INVALID_ARGUMENT unless 0 <= layer < the model's layers.
-absl::Status CheckLayer(const ModelEntry& m, int layer) {
-  if (layer < 0 || layer >= m.layout.num_layers) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("layer ", layer, " out of range [0, ", m.layout.num_layers, ")"));
-  }
-  return absl::OkStatus();
-}
-
-}  // namespace
-
 absl::StatusOr<DeviceBuffer> SequenceStore::TakeStaging(size_t bytes) {
   {
     std::lock_guard<std::mutex> lock(staging_mu_);
@@ -91,7 +78,7 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     Sequence& seq = **t.seq;
     const ModelEntry& m = seq.model();
     t.status = [&]() -> absl::Status {
-      OSCARKV_RETURN_IF_ERROR(CheckLayer(m, t.layer));
+      OSCARKV_RETURN_IF_ERROR(m.CheckLayer(t.layer));
       // Before any append: a bad query must leave the sequence unchanged, and the
       // CUDA kernels do not check their inputs.
       OSCARKV_RETURN_IF_ERROR(
@@ -168,7 +155,7 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
 
 absl::Status SequenceStore::ReadCompressed(SequenceHandle& seq, int layer, CompressedLayer* out) {
   const ModelEntry& m = seq->model();
-  OSCARKV_RETURN_IF_ERROR(CheckLayer(m, layer));
+  OSCARKV_RETURN_IF_ERROR(m.CheckLayer(layer));
   std::lock_guard<std::mutex> lock(seq->mu_);
   OSCARKV_RETURN_IF_ERROR(seq->Usable());
   const LayerCache& cache = seq->layers_[layer];
@@ -195,7 +182,7 @@ absl::Status SequenceStore::ReadCompressed(SequenceHandle& seq, int layer, Compr
 absl::Status SequenceStore::ReadBf16(SequenceHandle& seq, int layer, std::vector<bf16_bits>* k,
                                      std::vector<bf16_bits>* v, int64_t* tokens) {
   const ModelEntry& m = seq->model();
-  OSCARKV_RETURN_IF_ERROR(CheckLayer(m, layer));
+  OSCARKV_RETURN_IF_ERROR(m.CheckLayer(layer));
   std::lock_guard<std::mutex> lock(seq->mu_);
   OSCARKV_RETURN_IF_ERROR(seq->Usable());
   const LayerCache& cache = seq->layers_[layer];

@@ -76,7 +76,7 @@ void BenchIngest(bool quick) {
   const std::vector<bf16_bits> k = RandomBf16(n, 1), v = RandomBf16(n, 2);
   ServerOptions o;
   o.backend = g_backend;
-  o.pool_bytes = size_t(1) << 30;
+  o.pool_size.bytes = size_t(1) << 30;
   o.models = {"q8b4:4:32:8:128"};
   auto server = OscarkvServer::Start(o, nullptr);
   // The same service with a recent window longer than the sequence: every
@@ -165,7 +165,7 @@ void BenchAttend(bool quick) {
   const ModelLayout layout{1, 32, 8, 128};
   ServerOptions o;
   o.backend = g_backend;
-  o.pool_bytes = size_t(768) << 20;
+  o.pool_size.bytes = size_t(768) << 20;
   o.models = {"q8b1:1:32:8:128"};
   auto server = OscarkvServer::Start(o, nullptr);
   if (!server.ok()) {
@@ -296,7 +296,7 @@ void BenchMemory() {
   const ModelLayout layout{1, 32, 8, 128};
   ServerOptions o;
   o.backend = g_backend;
-  o.pool_bytes = size_t(256) << 20;
+  o.pool_size.bytes = size_t(256) << 20;
   o.models = {"q8b1:1:32:8:128"};
   auto server = OscarkvServer::Start(o, nullptr);
   if (!server.ok()) return;

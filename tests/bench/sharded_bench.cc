@@ -68,7 +68,7 @@ absl::StatusOr<Figures> RunWith(const Args& a, int n) {
     o.cuda_device = i % std::max(a.gpus, 1);
     o.models = {"bench:" + std::to_string(a.layers) + ":32:8:128"};
     // Room for every sequence on one server (the one-server case holds them all).
-    o.pool_bytes = size_t(a.sequences) * bytes_per_seq / 4 + (size_t{256} << 20);
+    o.pool_size.bytes = size_t(a.sequences) * bytes_per_seq / 4 + (size_t{256} << 20);
     auto s = OscarkvServer::Start(o, nullptr);
     if (!s.ok()) return s.status();
     targets.push_back((*s)->address());

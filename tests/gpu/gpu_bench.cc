@@ -356,7 +356,7 @@ int Main(int argc, char** argv) {
       CKS(l.status());
       (*l)->set_variant(variant);
       (*l)->set_ablate(ablate);
-      (*l)->set_fold_exact(fold_exact);
+      (*l)->set_fold_exact(cuda_attend::FoldExactFromNumber(fold_exact));
       CKS((*l)->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
       launchers.push_back(std::move(l).value());
     }

@@ -52,7 +52,7 @@ TEST(PoolSize, BadValuesAreInvalidArgumentNamingTheValue) {
 TEST(PoolSize, FractionOnCpuIsOfAvailableHostMemory) {
   CpuBackend cpu(1);
   ServerOptions o;
-  o.pool_fraction = 0.5;
+  o.pool_size.fraction = 0.5;
   std::string note;
   auto bytes = ResolvePoolBytes(o, cpu, &note);
   ASSERT_TRUE(bytes.ok()) << bytes.status();
@@ -68,7 +68,7 @@ TEST(PoolSize, FractionOnCpuIsOfAvailableHostMemory) {
 TEST(PoolSize, BytesAreUsedAsGivenWithoutANote) {
   CpuBackend cpu(1);
   ServerOptions o;
-  o.pool_bytes = size_t{3} << 20;
+  o.pool_size.bytes = size_t{3} << 20;
   std::string note = "stale";
   auto bytes = ResolvePoolBytes(o, cpu, &note);
   ASSERT_TRUE(bytes.ok());
@@ -80,7 +80,7 @@ TEST(PoolSize, FractionOutsideZeroOneIsInvalidArgument) {
   CpuBackend cpu(1);
   ServerOptions o;
   for (double bad : {1.5, 1.0, -0.25}) {
-    o.pool_fraction = bad;
+    o.pool_size.fraction = bad;
     auto bytes = ResolvePoolBytes(o, cpu, nullptr);
     EXPECT_EQ(bytes.status().code(), absl::StatusCode::kInvalidArgument) << bad;
     EXPECT_THAT(std::string(bytes.status().message()), HasSubstr("must be in (0, 1)"));
@@ -118,14 +118,14 @@ class BackendWithoutMemoryReport final : public Backend {
 TEST(PoolSize, FractionOfABackendThatCannotReportItsMemoryIsUnimplemented) {
   BackendWithoutMemoryReport backend;
   ServerOptions o;
-  o.pool_fraction = 0.5;
+  o.pool_size.fraction = 0.5;
   auto bytes = ResolvePoolBytes(o, backend, nullptr);
   EXPECT_EQ(bytes.status().code(), absl::StatusCode::kUnimplemented);
   EXPECT_THAT(std::string(bytes.status().message()),
               HasSubstr("backend opaque cannot report its available memory; give the pool size "
                         "in bytes"));
-  o.pool_fraction = 0;
-  o.pool_bytes = size_t{1} << 20;  // bytes need no report
+  o.pool_size.fraction = 0;
+  o.pool_size.bytes = size_t{1} << 20;  // bytes need no report
   auto given = ResolvePoolBytes(o, backend, nullptr);
   ASSERT_TRUE(given.ok()) << given.status();
   EXPECT_EQ(*given, size_t{1} << 20);
@@ -134,7 +134,7 @@ TEST(PoolSize, FractionOfABackendThatCannotReportItsMemoryIsUnimplemented) {
 TEST(PoolSize, ServerSizesItsPoolFromTheBackendsMemory) {
   ServerOptions o = TinyServerOptions();
   o.tiers = TierConfig{32, 64, 32};  // pages of 32 tokens: the CUDA backend serves them too
-  o.pool_fraction = 0.001;
+  o.pool_size.fraction = 0.001;
   TestServer ts(o);
   ASSERT_NE(ts.server, nullptr);
   const Backend& backend = ts.server->backend();
