@@ -56,13 +56,11 @@ class AttendLauncher {
   absl::Status Prepare(const AttendBatch& batch, cudaStream_t stream);
 
   // Enqueues the kernels of the last prepared batch on `stream`. They write
-  // the outputs into the launcher's workspace.
+  // the outputs into the launcher's mapped pinned staging memory.
   absl::Status Launch(cudaStream_t stream) const;
 
-  // Enqueues one download of every output of the last launch into the pinned
-  // staging buffer; once `stream` has reached it, CopyResults(batch) (the
-  // batch given to Prepare) writes them to the items' host out and lse.
-  absl::Status FetchResults(cudaStream_t stream) const;
+  // Once `stream` has run the last launch, writes its outputs to the items'
+  // host out and lse (`batch` is the one given to Prepare).
   void CopyResults(const AttendBatch& batch) const;
 
   const AttendSchedule& schedule() const { return schedule_; }
@@ -101,7 +99,7 @@ class AttendLauncher {
 
  private:
   AttendLauncher(int device, int num_sms);
-  absl::Status Reserve(size_t upload_bytes, size_t device_bytes);
+  absl::Status Reserve(size_t staging_bytes, size_t device_bytes);
 
   int device_;
   int num_sms_;
@@ -112,6 +110,7 @@ class AttendLauncher {
   // Pinned staging (host) and the workspace (device): the upload region first,
   // then device-only scratch (query fragments, partials).
   void* staging_ = nullptr;
+  void* staging_dev_ = nullptr;  // the device's address of staging_ (mapped)
   size_t staging_bytes_ = 0;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;

@@ -1,7 +1,8 @@
 // Host side of the CUDA decode attention: checks a batch, cuts it into work
 // units (exact blocks, then history page ranges sized so that the split kernel
 // runs in one wave), uploads the queries, page tables and schedule in one copy
-// from pinned memory, launches, and brings every output back in one copy.
+// from pinned memory, and launches; the merge kernel writes the outputs
+// straight into mapped pinned memory (no download copy).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -27,11 +28,9 @@ using cuda_attend::WorkUnit;
 struct AttendLauncher::Prepared {
   LaunchArgs args{};
   LaunchShape shape{};
-  // The outputs: one region of the workspace, [item][Hq * D + Hq] floats
-  // (out, then lse), downloaded to the pinned staging at `host_results`.
-  size_t results_offset = 0;  // in the workspace
-  size_t host_results = 0;    // in the staging buffer
-  size_t results_bytes = 0;
+  // The outputs, [item][Hq * D + Hq] floats (out, then lse), which the merge
+  // kernel writes into the staging buffer at this offset.
+  size_t results_offset = 0;
 };
 
 namespace {
@@ -70,14 +69,20 @@ AttendLauncher::~AttendLauncher() {
   if (upload_done_ != nullptr) cudaEventDestroy(upload_done_);
 }
 
-absl::Status AttendLauncher::Reserve(size_t upload_bytes, size_t device_bytes) {
-  if (upload_bytes > staging_bytes_) {
-    const size_t want = std::max(upload_bytes, staging_bytes_ * 3 / 2);
-    if (staging_ != nullptr) OSCARKV_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging_));
+absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t device_bytes) {
+  if (staging_bytes > staging_bytes_) {
+    const size_t want = std::max(staging_bytes, staging_bytes_ * 3 / 2);
+    if (staging_ != nullptr) {
+      // Kernels of earlier launches may still write their results there.
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging_));
+    }
     staging_ = nullptr;
+    staging_dev_ = nullptr;
     staging_bytes_ = 0;
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&staging_, want, cudaHostAllocDefault));
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&staging_, want, cudaHostAllocMapped));
     staging_bytes_ = want;
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&staging_dev_, staging_, 0));
   }
   if (device_bytes > workspace_bytes_) {
     const size_t want = std::max(device_bytes, workspace_bytes_ * 3 / 2);
@@ -136,8 +141,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
 
   // Layout: [items][page table][exact blocks][work][queries] (uploaded), then
-  // [results][qfrag][qmeta][qexact][partials] (device only); the staging
-  // buffer holds the upload region, then the downloaded results.
+  // [qfrag][qmeta][qexact][partials] (device only). The staging buffer holds
+  // the upload region, then the results, which the kernels write over the
+  // bus (a few KB per item: cheaper than a download copy's round trip).
   const int nt = g > 4 ? 2 : 1;
   const size_t q_floats = size_t(b.num_q_heads) * D;
   const size_t result_floats = q_floats + b.num_q_heads;  // out, then lse
@@ -149,7 +155,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t upload = AlignUp(off_q + size_t(n) * q_floats * 4);
   const size_t off_results = upload;
   const size_t results_bytes = size_t(n) * result_floats * 4;
-  const size_t off_qfrag = AlignUp(off_results + results_bytes);
+  const size_t off_qfrag = upload;
   const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
   const size_t off_qexact =
       AlignUp(off_qmeta + size_t(n) * b.num_q_heads * cuda_attend::kQueryMetaFloats * 4);
@@ -169,7 +175,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   auto* work = reinterpret_cast<WorkUnit*>(host + off_work);
   auto* queries = reinterpret_cast<float*>(host + off_q);
   auto* dev_queries = reinterpret_cast<float*>(dev + off_q);
-  auto* dev_results = reinterpret_cast<float*>(dev + off_results);
+  auto* dev_results = reinterpret_cast<float*>(static_cast<uint8_t*>(staging_dev_) + off_results);
 
   long page_pos = 0, exact_pos = 0;
   for (int i = 0; i < n; ++i) {
@@ -224,8 +230,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.partials = reinterpret_cast<float*>(dev + off_part);
   prepared_->shape = shape;
   prepared_->results_offset = off_results;
-  prepared_->host_results = upload;
-  prepared_->results_bytes = results_bytes;
 
   schedule_.num_items = n;
   schedule_.exact_units = static_cast<int>(sizes.exact_units);
@@ -240,21 +244,11 @@ absl::Status AttendLauncher::Launch(cudaStream_t stream) const {
   return cuda_attend::LaunchAttention(prepared_->args, prepared_->shape, stream);
 }
 
-absl::Status AttendLauncher::FetchResults(cudaStream_t stream) const {
-  const Prepared& p = *prepared_;
-  if (p.results_bytes == 0) return absl::OkStatus();
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(static_cast<uint8_t*>(staging_) + p.host_results,
-                                               static_cast<const uint8_t*>(workspace_) +
-                                                   p.results_offset,
-                                               p.results_bytes, cudaMemcpyDeviceToHost, stream));
-  return absl::OkStatus();
-}
-
 void AttendLauncher::CopyResults(const AttendBatch& b) const {
   const size_t q_floats = size_t(b.num_q_heads) * b.geom.head_dim;
   const size_t result_floats = q_floats + b.num_q_heads;
   const auto* results = reinterpret_cast<const float*>(static_cast<const uint8_t*>(staging_) +
-                                                       prepared_->host_results);
+                                                       prepared_->results_offset);
   for (int i = 0; i < b.num_items; ++i) {
     const AttendItem& it = b.items[i];
     const float* r = results + i * result_floats;

@@ -160,10 +160,10 @@ class CudaBackend final : public Backend {
 
   absl::Status Attend(const AttendBatch& batch) override {
     std::lock_guard<std::mutex> lock(mu_);
-    // One upload (queries, tables), the kernels, one download, one wait.
+    // One upload (queries, tables), the kernels (which write the outputs to
+    // pinned host memory), one wait.
     OSCARKV_RETURN_IF_ERROR(launcher_->Prepare(batch, stream_));
     OSCARKV_RETURN_IF_ERROR(launcher_->Launch(stream_));
-    OSCARKV_RETURN_IF_ERROR(launcher_->FetchResults(stream_));
     OSCARKV_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "Attend"));
     launcher_->CopyResults(batch);
     return absl::OkStatus();

@@ -405,6 +405,38 @@ int Main(int argc, char** argv) {
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a).count());
     }
     const double call_us = Median(call);
+    // Where a whole call's wall time goes (medians of 30, one launcher used
+    // the way the backend uses it): Prepare's host work alone; Prepare and
+    // its upload, waited for; + the kernels; + copying the outputs out.
+    double host_us[4] = {0, 0, 0, 0};
+    {
+      std::vector<double> t[4];
+      auto since = [](std::chrono::steady_clock::time_point a) {
+        return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a)
+            .count();
+      };
+      for (int i = 0; i < 30; ++i) {
+        AttendLauncher& L = *launchers[i % sets];
+        const AttendBatch batch{geom, Hq, scale, items[i % sets].data(), sh.batch};
+        auto a = std::chrono::steady_clock::now();
+        CKS(L.Prepare(batch, stream));
+        t[0].push_back(since(a));
+        CK(cudaStreamSynchronize(stream));
+        t[1].push_back(since(a));
+        a = std::chrono::steady_clock::now();
+        CKS(L.Prepare(batch, stream));
+        CKS(L.Launch(stream));
+        CK(cudaStreamSynchronize(stream));
+        t[2].push_back(since(a));
+        a = std::chrono::steady_clock::now();
+        CKS(L.Prepare(batch, stream));
+        CKS(L.Launch(stream));
+        CK(cudaStreamSynchronize(stream));
+        L.CopyResults(batch);
+        t[3].push_back(since(a));
+      }
+      for (int k = 0; k < 4; ++k) host_us[k] = Median(t[k]);
+    }
     // Every output written (they start as NaN) and finite.
     size_t bad = 0, nonzero = 0;
     for (float x : outh) {
@@ -435,6 +467,10 @@ int Main(int argc, char** argv) {
                 "units: %d exact + %d history (%d pages each), %d partials\n",
                 "", gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0,
                 sched.exact_units, sched.history_units, sched.pages_per_unit, sched.partials);
+    std::printf("%-13s   call wall time: Prepare (host) %.1f us, + upload %.1f, + kernels %.1f, "
+                "+ outputs out %.1f = %.1f us\n",
+                "", host_us[0], host_us[1] - host_us[0], host_us[2] - host_us[1],
+                host_us[3] - host_us[2], host_us[3]);
     if (stages) {
       std::printf("%-13s   GPU-side stages: prep %.1f us, prep+split %.1f us, all %.1f us "
                   "(split adds %.1f, merge adds %.1f)\n",
