@@ -252,7 +252,8 @@ void LayerCache::AttendRefs(const PagePool& pool, std::vector<ExactBlockRef>* ex
     exact->push_back(ExactBlockRef{pool.block(b), n});
     left -= n;
   }
-  for (SlotId id : pages_) pages->push_back(pool.page(id));
+  pages->resize(pages_.size());
+  for (size_t i = 0; i < pages_.size(); ++i) (*pages)[i] = pool.page(pages_[i]);
 }
 
 namespace {

@@ -333,6 +333,23 @@ TEST(CudaAttendLimits, UnsupportedShapesAndBadItemsGiveAClearStatus) {
   EXPECT_TRUE(gpu->Attend(b).ok());
 }
 
+TEST(CudaAttendLimits, NullOrMisalignedPageIsRefusedByIndex) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  auto pool = gpu->Allocate(4096);
+  ASSERT_TRUE(pool.ok());
+  std::vector<float> q(4 * 128, 0.5f), out(4 * 128), rot(128 * 128, 0.0f);
+  const uint8_t* base = pool->as<uint8_t>();
+  for (const uint8_t* bad : {static_cast<const uint8_t*>(nullptr), base + 4}) {
+    const uint8_t* pages[3] = {base, base + 8, bad};
+    AttendItem item{q.data(), out.data(), nullptr, RotationRef{rot.data(), rot.data(), 0},
+                    nullptr, 0, pages, 3};
+    const absl::Status st =
+        gpu->Attend(AttendBatch{PageGeometry{1, 128, 128, 32}, 4, 0.1f, &item, 1});
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("page 2 is null or not 8-byte aligned"), std::string::npos) << st;
+  }
+}
+
 TEST(CudaAttendLimits, NonFiniteQueryIsRefusedAndOutputIsUntouched) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   std::vector<float> q(4 * 128, 0.5f), out(4 * 128, 7.0f), lse(4, 7.0f);

@@ -191,6 +191,28 @@ TEST(CpuBackend, AttendRejectsNonFiniteQuery) {
   EXPECT_EQ(out[0], -7.0f);  // nothing written
 }
 
+TEST(ValidateQuery, NamesTheFirstNonFiniteIndexAndAcceptsEveryFiniteValue) {
+  const float kInf = std::numeric_limits<float>::infinity();
+  std::vector<float> q(1000, 0.5f);
+  q[1] = std::numeric_limits<float>::max();
+  q[2] = -std::numeric_limits<float>::max();
+  q[3] = std::numeric_limits<float>::denorm_min();
+  q[4] = -0.0f;
+  EXPECT_TRUE(ValidateQuery(q.data(), q.size()).ok());
+  for (size_t at : {size_t{0}, size_t{513}, size_t{999}}) {
+    for (float bad : {std::numeric_limits<float>::quiet_NaN(), kInf, -kInf}) {
+      std::vector<float> b = q;
+      b[at] = bad;
+      if (at + 7 < b.size()) b[at + 7] = kInf;  // only the first one is named
+      const absl::Status s = ValidateQuery(b.data(), b.size());
+      EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument);
+      EXPECT_EQ(s.message(), "query contains a non-finite value at index " + std::to_string(at));
+    }
+  }
+  EXPECT_EQ(ValidateQuery(nullptr, 4).code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ValidateQuery(q.data(), 0).ok());
+}
+
 TEST(CpuBackend, DecodeInvertsEncodeWithinQuantizationError) {
   CacheFixture f(4, 128, 128, TierConfig{0, 0, 16});
   const size_t row = f.geom.exact_row_elems();
