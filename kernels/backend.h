@@ -97,8 +97,9 @@ struct ExactBlockRef {
 
 // Decode attention of one query token against one sequence-layer's cache.
 // q, out and lse are HOST memory: the caller's query is read during the call
-// and the outputs are written when Attend returns (a GPU backend stages them
-// with its own uploads and downloads, so a call costs one round trip).
+// and the outputs are written when Attend returns (a GPU backend moves them
+// with its own staging: the CUDA backend uploads the queries with its page
+// tables and its kernels write the outputs to pinned host memory).
 struct AttendItem {
   const float* q = nullptr;  // host [num_q_heads][D] fp32, unrotated
   float* out = nullptr;      // host [num_q_heads][D] fp32

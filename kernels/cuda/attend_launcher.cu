@@ -163,7 +163,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       AlignUp(off_part + size_t(sizes.partials) * cuda_attend::PartialFloats(g, D) * 4);
 
   // The staging buffer may still feed the previous upload (the caller has
-  // waited for the previous download before it calls Prepare again).
+  // copied the previous results out before it calls Prepare again).
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(upload_done_));
   OSCARKV_RETURN_IF_ERROR(Reserve(upload + results_bytes, total));
   auto* host = static_cast<uint8_t*>(staging_);

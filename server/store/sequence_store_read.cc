@@ -118,7 +118,7 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
   }
   // One backend batch per model, over the items still OK. The queries and
   // outputs are the tasks' own host buffers: the backend moves them (for the
-  // GPU, in the same upload and download as the rest of the call).
+  // GPU, with the rest of the call's one upload).
   std::vector<const ModelEntry*> models;
   for (const AttendTask& t : tasks) models.push_back(&(*t.seq)->model());
   std::vector<const ModelEntry*> distinct = models;
