@@ -5,9 +5,10 @@
 // All pointers inside the job structs point into memory returned by the same
 // backend's Allocate() ("device memory": host memory for the CPU backend),
 // except the job arrays themselves and an attention item's query and outputs,
-// which are host memory owned by the caller and used during the call only. Kernels never allocate on the request path
-// beyond a workspace sized at construction, and never abort: failures come
-// back as Status.
+// which are host memory owned by the caller and used during the call only.
+// Kernels never allocate on the request path except to grow their staging
+// and workspace when a call is larger than any before (kept for later calls),
+// and never abort: failures come back as Status.
 //
 // Thread-safety: a Backend may be called from several threads at once.
 #ifndef OSCARKV_KERNELS_BACKEND_H_

@@ -4,6 +4,8 @@
 #include <cmath>
 #include <cstdlib>
 #include <numeric>
+#include <thread>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/hadamard.h"
@@ -280,8 +282,11 @@ absl::StatusOr<SyntheticLayer> GenerateSyntheticLayer(const SyntheticSpec& s, in
   if (out.needle >= t_count) out.needle = t_count - 1;
   out.needle_query = 0;
 
-  std::vector<float> row(d), mean_q(d);
-  for (int h = 0; h < hkv; ++h) {
+  // Each kv head has random streams of its own and writes only its own
+  // slices of k, v and q, so the heads run on threads of their own with the
+  // same output, bit for bit, as one after another.
+  auto generate_head = [&](int h) {
+    std::vector<float> row(d), mean_q(d);
     const HeadModel m = BuildHeadModel(s, layer, h);
     const int n_out = int(m.key_channels.size());
     // Queries of this group.
@@ -402,7 +407,16 @@ absl::StatusOr<SyntheticLayer> GenerateSyntheticLayer(const SyntheticSpec& s, in
       alpha *= 1.002;
       for (int j = 0; j < d; ++j) kd[j] = FloatToBf16(base[j] + float(alpha) * u[j]);
     }
+  };
+  const int threads = std::max(1, std::min<int>(hkv, std::thread::hardware_concurrency()));
+  std::vector<std::thread> workers;
+  for (int w = 1; w < threads; ++w) {
+    workers.emplace_back([&, w] {
+      for (int h = w; h < hkv; h += threads) generate_head(h);
+    });
   }
+  for (int h = 0; h < hkv; h += threads) generate_head(h);
+  for (std::thread& t : workers) t.join();
   return out;
 }
 

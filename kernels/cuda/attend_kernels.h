@@ -8,8 +8,9 @@
 // Thread-safety: an AttendLauncher is NOT thread-safe; the CUDA backend guards
 // its launcher with a mutex. Launch() only enqueues kernels (no allocation, no
 // host synchronization), so a prepared launcher can be captured in a CUDA graph
-// and replayed; the device pointers inside the batch must stay valid (the
-// queries were copied by Prepare).
+// and replayed until the next Prepare (which may move the buffers); the
+// device pointers inside the batch must stay valid (the queries were copied
+// by Prepare), and each replay's outputs land in the results buffer.
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_KERNELS_H_
 #define OSCARKV_KERNELS_CUDA_ATTEND_KERNELS_H_
 
@@ -47,20 +48,22 @@ class AttendLauncher {
   AttendLauncher& operator=(const AttendLauncher&) = delete;
 
   // Checks the batch (queries included: INVALID_ARGUMENT for a non-finite
-  // value), plans the work units, grows the workspace if needed (rarely: it
-  // keeps the largest size seen) and enqueues one upload of the queries, page
-  // tables and schedule from pinned staging memory on `stream`. The batch's
-  // host arrays and queries are read during the call only. Waits for the
-  // previous upload from the staging buffer to finish before reusing it; the
-  // caller must be done with the previous results (CopyResults).
+  // value), plans the work units, grows its buffers if needed (rarely: they
+  // keep the largest size seen; growing the results buffer waits for the
+  // device) and enqueues one upload of the queries, page tables and schedule
+  // from pinned staging memory on `stream`. The batch's host arrays and
+  // queries are read during the call only. Waits for the previous upload
+  // from the staging buffer to finish before reusing it. After a failed
+  // Prepare, Launch answers FAILED_PRECONDITION until one succeeds.
   absl::Status Prepare(const AttendBatch& batch, cudaStream_t stream);
 
   // Enqueues the kernels of the last prepared batch on `stream`. They write
-  // the outputs into the launcher's mapped pinned staging memory.
+  // the outputs into the launcher's mapped pinned results buffer, which the
+  // next launch overwrites.
   absl::Status Launch(cudaStream_t stream) const;
 
   // Once `stream` has run the last launch, writes its outputs to the items'
-  // host out and lse (`batch` is the one given to Prepare).
+  // host out and lse (`batch` is the one given to the last Prepare).
   void CopyResults(const AttendBatch& batch) const;
 
   const AttendSchedule& schedule() const { return schedule_; }
@@ -81,7 +84,8 @@ class AttendLauncher {
 
   // For benchmarks only (the time of each kernel in its place in the call):
   // Launch() enqueues the first `stages` kernels, 1 = prep, 2 = prep and
-  // split, 3 = all (the default; anything else leaves out / lse unwritten).
+  // split, 3 = all (the default; with fewer, CopyResults copies whatever the
+  // results buffer held).
   // Takes effect at the next Prepare().
   void set_launch_stages(int stages) { stages_ = stages; }
 
@@ -99,7 +103,7 @@ class AttendLauncher {
 
  private:
   AttendLauncher(int device, int num_sms);
-  absl::Status Reserve(size_t staging_bytes, size_t device_bytes);
+  absl::Status Reserve(size_t staging_bytes, size_t results_bytes, size_t device_bytes);
 
   int device_;
   int num_sms_;
@@ -107,11 +111,14 @@ class AttendLauncher {
   cuda_attend::FoldExact fold_exact_ = cuda_attend::FoldExact::kAuto;
   int ablate_ = 0;
   int stages_ = 3;
-  // Pinned staging (host) and the workspace (device): the upload region first,
-  // then device-only scratch (query fragments, partials).
+  // Pinned staging of the upload; the workspace (device): the uploaded region,
+  // then device-only scratch (query fragments, partials); the outputs, in
+  // mapped pinned memory that the merge kernel writes. All only grow.
   void* staging_ = nullptr;
-  void* staging_dev_ = nullptr;  // the device's address of staging_ (mapped)
   size_t staging_bytes_ = 0;
+  void* results_ = nullptr;
+  void* results_dev_ = nullptr;  // the device's address of results_
+  size_t results_bytes_ = 0;
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   cudaEvent_t upload_done_ = nullptr;

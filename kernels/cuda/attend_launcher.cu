@@ -7,7 +7,6 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
-#include <map>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -28,9 +27,7 @@ using cuda_attend::WorkUnit;
 struct AttendLauncher::Prepared {
   LaunchArgs args{};
   LaunchShape shape{};
-  // The outputs, [item][Hq * D + Hq] floats (out, then lse), which the merge
-  // kernel writes into the staging buffer at this offset.
-  size_t results_offset = 0;
+  bool valid = false;  // Prepare succeeded; cleared when the next one starts
 };
 
 namespace {
@@ -59,29 +56,43 @@ AttendLauncher::AttendLauncher(int device, int num_sms)
 
 AttendLauncher::~AttendLauncher() {
   cudaSetDevice(device_);
-  if (upload_done_ != nullptr) cudaEventSynchronize(upload_done_);
-  if (workspace_ != nullptr) {
-    cudaDeviceSynchronize();
-    cudaFree(workspace_);
-  }
+  // Kernels of earlier launches may still use every buffer below.
+  cudaDeviceSynchronize();
+  if (workspace_ != nullptr) cudaFree(workspace_);
   if (staging_ != nullptr) cudaFreeHost(staging_);
+  if (results_ != nullptr) cudaFreeHost(results_);
   if (upload_done_ != nullptr) cudaEventDestroy(upload_done_);
 }
 
-absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t device_bytes) {
+absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t results_bytes,
+                                     size_t device_bytes) {
   if (staging_bytes > staging_bytes_) {
+    // Only the upload reads it, and Prepare has waited for that.
     const size_t want = std::max(staging_bytes, staging_bytes_ * 3 / 2);
-    if (staging_ != nullptr) {
+    if (staging_ != nullptr) OSCARKV_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging_));
+    staging_ = nullptr;
+    staging_bytes_ = 0;
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&staging_, want, cudaHostAllocDefault));
+    staging_bytes_ = want;
+  }
+  if (results_bytes > results_bytes_) {
+    const size_t want = std::max(results_bytes, results_bytes_ * 3 / 2);
+    if (results_ != nullptr) {
       // Kernels of earlier launches may still write their results there.
       OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-      OSCARKV_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging_));
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaFreeHost(results_));
     }
-    staging_ = nullptr;
-    staging_dev_ = nullptr;
-    staging_bytes_ = 0;
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&staging_, want, cudaHostAllocMapped));
-    staging_bytes_ = want;
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostGetDevicePointer(&staging_dev_, staging_, 0));
+    results_ = results_dev_ = nullptr;
+    results_bytes_ = 0;
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&results_, want, cudaHostAllocMapped));
+    void* dev = nullptr;
+    if (const cudaError_t err = cudaHostGetDevicePointer(&dev, results_, 0); err != cudaSuccess) {
+      cudaFreeHost(results_);
+      results_ = nullptr;
+      return CudaStatus(err, "cudaHostGetDevicePointer");
+    }
+    results_dev_ = dev;
+    results_bytes_ = want;
   }
   if (device_bytes > workspace_bytes_) {
     const size_t want = std::max(device_bytes, workspace_bytes_ * 3 / 2);
@@ -99,6 +110,7 @@ absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t device_bytes) 
 }
 
 absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) {
+  prepared_->valid = false;  // until this one succeeds (its buffers may move)
   OSCARKV_RETURN_IF_ERROR(cuda_attend::CheckAttendBatch(b));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
   const PageGeometry& geom = b.geom;
@@ -139,10 +151,11 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     return absl::InvalidArgumentError("attention batch too large for one launch");
   }
 
-  // Layout: [items][page table][exact blocks][work][queries] (uploaded), then
-  // [qfrag][qmeta][qexact][partials] (device only). The staging buffer holds
-  // the upload region, then the results, which the kernels write over the
-  // bus (a few KB per item: cheaper than a download copy's round trip).
+  // Layout: [items][page table][exact blocks][work][queries] (uploaded from
+  // the staging buffer), then [qfrag][qmeta][qexact][partials] (device only).
+  // The outputs, [item][Hq * D + Hq] floats (out, then lse), go to the mapped
+  // pinned results buffer, written by the merge kernel over the bus (a few
+  // KB per item: cheaper than a download copy's round trip).
   const int nt = g > 4 ? 2 : 1;
   const size_t q_floats = size_t(b.num_q_heads) * D;
   const size_t result_floats = q_floats + b.num_q_heads;  // out, then lse
@@ -152,7 +165,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t off_work = AlignUp(off_exact + sizeof(ExactBlockRef) * total_exact);
   const size_t off_q = AlignUp(off_work + sizeof(WorkUnit) * num_work);
   const size_t upload = AlignUp(off_q + size_t(n) * q_floats * 4);
-  const size_t off_results = upload;
   const size_t results_bytes = size_t(n) * result_floats * 4;
   const size_t off_qfrag = upload;
   const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
@@ -162,10 +174,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t total =
       AlignUp(off_part + size_t(sizes.partials) * cuda_attend::PartialFloats(g, D) * 4);
 
-  // The staging buffer may still feed the previous upload (the caller has
-  // copied the previous results out before it calls Prepare again).
+  // The staging buffer may still feed the previous upload.
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(upload_done_));
-  OSCARKV_RETURN_IF_ERROR(Reserve(upload + results_bytes, total));
+  OSCARKV_RETURN_IF_ERROR(Reserve(upload, results_bytes, total));
   auto* host = static_cast<uint8_t*>(staging_);
   auto* dev = static_cast<uint8_t*>(workspace_);
   auto* items = reinterpret_cast<ItemPlan*>(host + off_items);
@@ -174,7 +185,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   auto* work = reinterpret_cast<WorkUnit*>(host + off_work);
   auto* queries = reinterpret_cast<float*>(host + off_q);
   auto* dev_queries = reinterpret_cast<float*>(dev + off_q);
-  auto* dev_results = reinterpret_cast<float*>(static_cast<uint8_t*>(staging_dev_) + off_results);
+  auto* dev_results = static_cast<float*>(results_dev_);
 
   long page_pos = 0, exact_pos = 0;
   for (int i = 0; i < n; ++i) {
@@ -182,7 +193,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     ItemPlan& ip = items[i];
     ip = ItemPlan{};
     // The kernels do not check their inputs: a non-finite query is refused here.
-    OSCARKV_RETURN_IF_ERROR(ValidateQuery(it.q, q_floats));
+    if (const absl::Status s = ValidateQuery(it.q, q_floats); !s.ok()) {
+      return absl::InvalidArgumentError(absl::StrCat("attention item ", i, ": ", s.message()));
+    }
     std::memcpy(queries + i * q_floats, it.q, q_floats * sizeof(float));
     ip.q = dev_queries + i * q_floats;
     ip.out = dev_results + i * result_floats;
@@ -239,7 +252,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.qexact = reinterpret_cast<float*>(dev + off_qexact);
   a.partials = reinterpret_cast<float*>(dev + off_part);
   prepared_->shape = shape;
-  prepared_->results_offset = off_results;
+  prepared_->valid = true;
 
   schedule_.num_items = n;
   schedule_.exact_units = static_cast<int>(sizes.exact_units);
@@ -251,14 +264,17 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
 }
 
 absl::Status AttendLauncher::Launch(cudaStream_t stream) const {
+  if (!prepared_->valid) {
+    return absl::FailedPreconditionError("attention launch without a successful Prepare");
+  }
   return cuda_attend::LaunchAttention(prepared_->args, prepared_->shape, stream);
 }
 
 void AttendLauncher::CopyResults(const AttendBatch& b) const {
+  if (!prepared_->valid) return;
   const size_t q_floats = size_t(b.num_q_heads) * b.geom.head_dim;
   const size_t result_floats = q_floats + b.num_q_heads;
-  const auto* results = reinterpret_cast<const float*>(static_cast<const uint8_t*>(staging_) +
-                                                       prepared_->results_offset);
+  const auto* results = static_cast<const float*>(results_);
   for (int i = 0; i < b.num_items; ++i) {
     const AttendItem& it = b.items[i];
     const float* r = results + i * result_floats;

@@ -249,9 +249,9 @@ class SequenceStore {
   SequenceStats StatLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu_);
   TierTotals TotalsLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu_);
   void AddCommitted(const TierTotals& delta, int sign);
-  // Backend buffers for attention queries/outputs, reused across calls.
-  absl::StatusOr<DeviceBuffer> TakeStaging(size_t bytes);
-  void ReturnStaging(DeviceBuffer buffer);
+  // Backend buffers for decode scratch (ReadBf16), reused across calls.
+  absl::StatusOr<DeviceBuffer> TakeScratch(size_t bytes);
+  void ReturnScratch(DeviceBuffer buffer);
 
   Backend* const backend_;
   PagePool* const pool_;
@@ -266,9 +266,9 @@ class SequenceStore {
   int64_t demotions_ ABSL_GUARDED_BY(mu_) = 0;
   TierTotals committed_ ABSL_GUARDED_BY(mu_);
 
-  std::mutex staging_mu_;
-  std::vector<DeviceBuffer> staging_ ABSL_GUARDED_BY(staging_mu_);
-  size_t staging_bytes_ ABSL_GUARDED_BY(staging_mu_) = 0;  // cached in staging_
+  std::mutex scratch_mu_;
+  std::vector<DeviceBuffer> scratch_ ABSL_GUARDED_BY(scratch_mu_);
+  size_t scratch_bytes_ ABSL_GUARDED_BY(scratch_mu_) = 0;  // cached in scratch_
 };
 
 // Checks a sequence id: 1..256 bytes of printable ASCII.

@@ -12,14 +12,14 @@
 
 namespace oscarkv {
 
-absl::StatusOr<DeviceBuffer> SequenceStore::TakeStaging(size_t bytes) {
+absl::StatusOr<DeviceBuffer> SequenceStore::TakeScratch(size_t bytes) {
   {
-    std::lock_guard<std::mutex> lock(staging_mu_);
-    for (size_t i = 0; i < staging_.size(); ++i) {
-      if (staging_[i].size() >= bytes) {
-        staging_bytes_ -= staging_[i].size();
-        DeviceBuffer b = std::move(staging_[i]);
-        staging_.erase(staging_.begin() + i);
+    std::lock_guard<std::mutex> lock(scratch_mu_);
+    for (size_t i = 0; i < scratch_.size(); ++i) {
+      if (scratch_[i].size() >= bytes) {
+        scratch_bytes_ -= scratch_[i].size();
+        DeviceBuffer b = std::move(scratch_[i]);
+        scratch_.erase(scratch_.begin() + i);
         return b;
       }
     }
@@ -29,13 +29,13 @@ absl::StatusOr<DeviceBuffer> SequenceStore::TakeStaging(size_t bytes) {
   return backend_->Allocate(bytes);
 }
 
-void SequenceStore::ReturnStaging(DeviceBuffer buffer) {
+void SequenceStore::ReturnScratch(DeviceBuffer buffer) {
   // Keep at most 64 buffers and 64 MiB for reuse; a larger one is freed.
   constexpr size_t kMaxCachedBytes = size_t{64} << 20;
-  std::lock_guard<std::mutex> lock(staging_mu_);
-  if (staging_.size() < 64 && staging_bytes_ + buffer.size() <= kMaxCachedBytes) {
-    staging_bytes_ += buffer.size();
-    staging_.push_back(std::move(buffer));
+  std::lock_guard<std::mutex> lock(scratch_mu_);
+  if (scratch_.size() < 64 && scratch_bytes_ + buffer.size() <= kMaxCachedBytes) {
+    scratch_bytes_ += buffer.size();
+    scratch_.push_back(std::move(buffer));
   }
 }
 
@@ -79,8 +79,8 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     const ModelEntry& m = seq.model();
     t.status = [&]() -> absl::Status {
       OSCARKV_RETURN_IF_ERROR(m.CheckLayer(t.layer));
-      // Before any append: a bad query must leave the sequence unchanged, and the
-      // CUDA kernels do not check their inputs.
+      // Before any append: a bad query must leave the sequence unchanged (the
+      // backends check it again, too late for that).
       OSCARKV_RETURN_IF_ERROR(
           ValidateQuery(t.q, size_t(m.layout.num_q_heads) * m.layout.head_dim));
       LayerCache& cache = seq.layers_[t.layer];
@@ -186,16 +186,16 @@ absl::Status SequenceStore::ReadBf16(SequenceHandle& seq, int layer, std::vector
   std::lock_guard<std::mutex> lock(seq->mu_);
   OSCARKV_RETURN_IF_ERROR(seq->Usable());
   const LayerCache& cache = seq->layers_[layer];
-  // Decode scratch from the staging cache, not the pool: a read must neither
+  // Decode scratch from the scratch cache, not the pool: a read must neither
   // evict another sequence nor fail because the pool is full.
-  OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer scratch, TakeStaging(m.geom.exact_block_bytes()));
+  OSCARKV_ASSIGN_OR_RETURN(DeviceBuffer scratch, TakeScratch(m.geom.exact_block_bytes()));
   const size_t elems = size_t(cache.tokens()) * m.geom.exact_row_elems();
   k->resize(elems);
   v->resize(elems);
   *tokens = cache.tokens();
   absl::Status s = cache.ReadBf16(m.codecs[layer], *pool_, *backend_, scratch.as<bf16_bits>(),
                                   k->data(), v->data());
-  ReturnStaging(std::move(scratch));
+  ReturnScratch(std::move(scratch));
   return s;
 }
 

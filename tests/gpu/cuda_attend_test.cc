@@ -25,7 +25,6 @@
 namespace oscarkv {
 namespace {
 
-using gputest::Download;
 using gputest::RandomKvRows;
 using gputest::RandomOrthogonal;
 using gputest::SplitTiers;
@@ -331,6 +330,80 @@ TEST(CudaAttendLimits, UnsupportedShapesAndBadItemsGiveAClearStatus) {
   b.num_items = 0;
   b.geom = PageGeometry{2, 128, 128, 32};
   EXPECT_TRUE(gpu->Attend(b).ok());
+}
+
+// Exact (BF16) blocks only: a one-item call, then a larger batch (the
+// launcher's buffers grow in between) whose middle item asks for no lse,
+// against the CPU backend on the same blocks.
+TEST(CudaAttendBatches, GrowingBatchWithAnItemWithoutLseMatchesTheCpu) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  const PageGeometry geom{2, 128, 128, 32};
+  const int Hq = 8, D = 128;
+  const float scale = 1.0f / std::sqrt(float(D));
+  const size_t block_elems = geom.exact_block_bytes() / 2;
+  std::mt19937_64 rng(77);
+  std::normal_distribution<float> nd;
+  std::vector<bf16_bits> blocks_host(5 * block_elems);
+  for (auto& x : blocks_host) x = FloatToBf16(nd(rng));
+  auto blocks_dev = Upload(*gpu, blocks_host);
+  ASSERT_TRUE(blocks_dev.ok());
+  CpuBackend cpu(2);
+  // Item i: blocks [i, i + 2), the last one holding 5 + 9 i tokens.
+  const int n = 3;
+  std::vector<std::vector<ExactBlockRef>> ex_cpu(n), ex_gpu(n);
+  std::vector<std::vector<float>> q(n, std::vector<float>(Hq * D));
+  for (int i = 0; i < n; ++i) {
+    for (int b = 0; b < 2; ++b) {
+      const int tokens = b == 0 ? 32 : 5 + 9 * i;
+      ex_cpu[i].push_back({&blocks_host[(i + b) * block_elems], tokens});
+      ex_gpu[i].push_back({blocks_dev->as<bf16_bits>() + (i + b) * block_elems, tokens});
+    }
+    for (float& x : q[i]) x = nd(rng);
+  }
+  const float kNaN = std::numeric_limits<float>::quiet_NaN();
+  std::vector<float> out_cpu(n * Hq * D), lse_cpu(n * Hq), out_gpu(n * Hq * D, kNaN),
+      lse_gpu(n * Hq, kNaN);
+  std::vector<AttendItem> it_cpu(n), it_gpu(n);
+  for (int i = 0; i < n; ++i) {
+    it_cpu[i] = AttendItem{q[i].data(), &out_cpu[i * Hq * D], &lse_cpu[i * Hq], RotationRef{},
+                           ex_cpu[i].data(), 2, nullptr, 0};
+    it_gpu[i] = AttendItem{q[i].data(), &out_gpu[i * Hq * D], i == 1 ? nullptr : &lse_gpu[i * Hq],
+                           RotationRef{}, ex_gpu[i].data(), 2, nullptr, 0};
+  }
+  ASSERT_TRUE(cpu.Attend(AttendBatch{geom, Hq, scale, it_cpu.data(), n}).ok());
+  for (int batch : {1, n}) {
+    std::fill(out_gpu.begin(), out_gpu.end(), kNaN);
+    std::fill(lse_gpu.begin(), lse_gpu.end(), kNaN);
+    const absl::Status st = gpu->Attend(AttendBatch{geom, Hq, scale, it_gpu.data(), batch});
+    ASSERT_TRUE(st.ok()) << st;
+    for (int i = 0; i < n; ++i) {
+      for (int e = 0; e < Hq * D; ++e) {
+        const float got = out_gpu[i * Hq * D + e], want = out_cpu[i * Hq * D + e];
+        if (i >= batch) {
+          ASSERT_TRUE(std::isnan(got)) << "item " << i << " is not in the batch";
+        } else {
+          ASSERT_NEAR(got, want, 1e-4f * (1.0f + std::fabs(want))) << "item " << i << " elem " << e;
+        }
+      }
+      for (int h = 0; h < Hq; ++h) {
+        const float got = lse_gpu[i * Hq + h];
+        if (i >= batch || i == 1) {
+          ASSERT_TRUE(std::isnan(got)) << "lse of item " << i << " written";
+        } else {
+          ASSERT_NEAR(got, lse_cpu[i * Hq + h], 1e-4f * (1.0f + std::fabs(lse_cpu[i * Hq + h])));
+        }
+      }
+    }
+  }
+  // A bad query in item 2 names it, and no item's output is written.
+  std::fill(out_gpu.begin(), out_gpu.end(), 7.0f);
+  q[2][5] = kNaN;
+  const absl::Status st = gpu->Attend(AttendBatch{geom, Hq, scale, it_gpu.data(), n});
+  EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+  EXPECT_NE(st.message().find("attention item 2: query contains a non-finite value at index 5"),
+            std::string::npos)
+      << st;
+  for (float x : out_gpu) ASSERT_EQ(x, 7.0f);
 }
 
 TEST(CudaAttendLimits, NullOrMisalignedPageIsRefusedByIndex) {
