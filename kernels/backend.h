@@ -141,6 +141,10 @@ class Backend {
   }
   // What AvailableBytes() measures, for messages ("available host memory").
   virtual std::string AvailableMemoryName() const { return "free " + name() + " device memory"; }
+  // True when the kernels run on the host's cores (the CPU backend): a call
+  // then takes milliseconds of CPU time, where an accelerator's caller only
+  // waits. The server keeps such calls off gRPC's threads.
+  virtual bool ComputesOnHost() const { return false; }
 
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
   // Copies are ordered with every later call on the backend. When

@@ -34,6 +34,10 @@ ABSL_FLAG(int, cpu_threads, 0, "CPU backend worker threads (0: one per hardware 
 ABSL_FLAG(int, compute_threads, 0,
           "threads that run ingest encoding and attention off gRPC's callback threads "
           "(0: one per hardware thread)");
+ABSL_FLAG(int, attend_inline_items, -1,
+          "Attend messages with at most this many items run on the gRPC thread that read "
+          "them, without a hop to the compute threads (0: every message hops; -1: 16 on a "
+          "GPU backend, 0 on the CPU backend, whose attention takes milliseconds of CPU)");
 ABSL_FLAG(int, cuda_device, 0, "CUDA device index for --backend=cuda|auto");
 ABSL_FLAG(std::string, pool_size, "1GiB",
           "memory pool allocated once at start: bytes with a unit (512MiB, 8GiB) or a "
@@ -130,6 +134,7 @@ int main(int argc, char** argv) {
   o.backend = absl::GetFlag(FLAGS_backend);
   o.cpu_threads = absl::GetFlag(FLAGS_cpu_threads);
   o.compute_threads = absl::GetFlag(FLAGS_compute_threads);
+  o.attend_inline_items = absl::GetFlag(FLAGS_attend_inline_items);
   o.cuda_device = absl::GetFlag(FLAGS_cuda_device);
   absl::StatusOr<oscarkv::PoolSize> pool = oscarkv::ParsePoolSize(absl::GetFlag(FLAGS_pool_size));
   if (!pool.ok()) return Fail(std::string(pool.status().message()));

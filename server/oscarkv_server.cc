@@ -188,6 +188,9 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   ctx.metrics = s->metrics_.get();
   s->executor_ = std::make_unique<ComputeExecutor>(options.compute_threads);
   ctx.executor = s->executor_.get();
+  ctx.attend_inline_items = options.attend_inline_items >= 0 ? options.attend_inline_items
+                            : s->backend_->ComputesOnHost() ? 0
+                                                            : kAttendInlineItems;
   ctx.calibration_reader = std::move(calibration_reader);
   ctx.calibration_dir = std::move(calibration_dir);
   ctx.tiers = options.tiers;

@@ -30,6 +30,12 @@ struct PoolSize {
   double fraction = 0;  // in (0, 1); resolved by ResolvePoolBytes once the backend exists
 };
 
+// The default of ServerOptions::attend_inline_items on an accelerator. H200,
+// 2026-11-29, CUDA backend, Attend RPC p50 with the executor hop vs inline,
+// server on 2 cores: 1 item of 32K tokens 183 vs 166 us, with a fused append
+// 203 vs 170, 16 items 982 vs 903 (tests/bench/RESULTS.md, run 9).
+inline constexpr int kAttendInlineItems = 16;
+
 struct ServerOptions {
   std::string listen_address = "127.0.0.1:0";
   std::string backend = "auto";  // auto | cpu | cuda
@@ -37,6 +43,11 @@ struct ServerOptions {
   // Threads that run ingest encoding and attention off gRPC's callback
   // threads (0: one per hardware thread).
   int compute_threads = 0;
+  // Attend messages with at most this many items run on the gRPC callback
+  // thread that read them instead of on the compute threads (one thread hop
+  // less). -1: kAttendInlineItems when the backend computes on an
+  // accelerator, 0 when it computes on the host's cores.
+  int attend_inline_items = -1;
   int cuda_device = 0;
   // The one pool allocated at start: pool_size.fraction of the backend's
   // available memory (Backend::AvailableBytes: host memory for CPU, free

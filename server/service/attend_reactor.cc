@@ -35,7 +35,8 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
     response_.Clear();
     response_.set_request_id(request_.request_id());
     // Nothing is pending while the batch runs, so the reactor stays alive.
-    RunOn(svc_->context().executor, [this] {
+    const ServiceContext& c = svc_->context();
+    RunOn(request_.items_size() <= c.attend_inline_items ? nullptr : c.executor, [this] {
       AttendAll();
       StartWrite(&response_);
     });

@@ -37,6 +37,10 @@ struct ServiceContext {
   // Where encoding and attention run (see compute_executor.h); null: inline on
   // gRPC's callback threads.
   ComputeExecutor* executor = nullptr;
+  // Attend messages of at most this many items run inline on the callback
+  // thread that read them (one thread hop less per decode step); larger ones
+  // go to the executor.
+  int attend_inline_items = 0;
   CalibrationReader calibration_reader;
   // Real path of --calibration_dir: LoadCalibration(path) reads only files
   // inside it (calibration_path.h). Empty: path loading is refused.

@@ -6,10 +6,12 @@
 //           the same attention called in-process on the server's store;
 //   memory  pool bytes per token actually held vs the codec's figure.
 // Usage: service_bench [--quick] [--backend=cpu|cuda|auto] [--only=memory|attend|ingest]
+//                      [--attend_inline_items=N]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -27,6 +29,7 @@ namespace {
 
 using Clock = std::chrono::steady_clock;
 std::string g_backend = "cpu";  // --backend=cpu|cuda|auto
+int g_attend_inline_items = -1;  // --attend_inline_items=N (ServerOptions::attend_inline_items)
 double Secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 double Pct(std::vector<double> v, double p) {
@@ -165,6 +168,7 @@ void BenchAttend(bool quick) {
   const ModelLayout layout{1, 32, 8, 128};
   ServerOptions o;
   o.backend = g_backend;
+  o.attend_inline_items = g_attend_inline_items;
   o.pool_size.bytes = size_t(768) << 20;
   o.models = {"q8b1:1:32:8:128"};
   auto server = OscarkvServer::Start(o, nullptr);
@@ -193,8 +197,9 @@ void BenchAttend(bool quick) {
   std::mt19937_64 rng(5);
   std::normal_distribution<float> nd;
   for (float& x : q) x = nd(rng);
-  std::printf("\n== attend: one layer, %d tokens per sequence (Qwen3-8B heads), %s backend\n",
-              tokens, g_backend.c_str());
+  std::printf("\n== attend: one layer, %d tokens per sequence (Qwen3-8B heads), %s backend, "
+              "--attend_inline_items=%d (-1: the server's default)\n",
+              tokens, g_backend.c_str(), g_attend_inline_items);
   std::printf("%-6s %-7s %-7s %-12s %-12s %-16s %-16s %-15s %-10s\n", "seqs", "tokens", "append",
               "rpc p50 ms", "rpc p99 ms", "in-proc p50 ms", "in-proc p99 ms", "overhead p50 us",
               "max|diff|");
@@ -330,6 +335,9 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strncmp(argv[i], "--only=", 7) == 0) only = argv[i] + 7;
     if (std::strncmp(argv[i], "--backend=", 10) == 0) oscarkv::g_backend = argv[i] + 10;
+    if (std::strncmp(argv[i], "--attend_inline_items=", 22) == 0) {
+      oscarkv::g_attend_inline_items = std::atoi(argv[i] + 22);
+    }
   }
   std::printf("oscarkv service bench (%s), backend %s, %u hardware threads\n",
               quick ? "quick" : "full", oscarkv::g_backend.c_str(),

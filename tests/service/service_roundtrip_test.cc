@@ -158,8 +158,12 @@ TEST(Service, AppendAcrossDemotionBoundaryKeepsTiersAndAttention) {
   EXPECT_EQ(ts.client->Stat("a")->tokens(), 60);
 }
 
-TEST(Service, OneAttendMessageMixesSequencesLayersAppendsAndErrors) {
-  TestServer ts;
+// `attend_inline_items` 0: the batch runs on the compute threads; 16: on the
+// gRPC thread that read it. The answers must not depend on where it ran.
+void MixedAttendMessage(int attend_inline_items) {
+  ServerOptions o = TinyServerOptions();
+  o.attend_inline_items = attend_inline_items;
+  TestServer ts(o);
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
   const KvData data = MakeKv(layout, 61, 12);
@@ -200,6 +204,12 @@ TEST(Service, OneAttendMessageMixesSequencesLayersAppendsAndErrors) {
   EXPECT_EQ((*r)[0].out, (*ref)[0].out);
   EXPECT_EQ((*r)[2].out, (*ref)[1].out);
   EXPECT_EQ((*r)[2].lse, (*ref)[1].lse);
+}
+
+TEST(Service, OneAttendMessageMixesSequencesLayersAppendsAndErrors) { MixedAttendMessage(0); }
+
+TEST(Service, OneAttendMessageRunInlineOnTheGrpcThreadGivesTheSameAnswers) {
+  MixedAttendMessage(16);
 }
 
 // Two fused appends to one layer in one message, the second one demoting the
