@@ -30,23 +30,40 @@ namespace {
 using ::testing::Contains;
 using ::testing::HasSubstr;
 
+// Starts args[0] with its stderr (and its stdout too when `with_stdout`) into
+// a pipe whose read end comes back in *read_fd (-1 when nothing started).
+// Returns the child's pid, or -1.
+pid_t SpawnWithPipe(std::vector<std::string> args, bool with_stdout, int* read_fd) {
+  *read_fd = -1;
+  std::vector<char*> argv;
+  for (auto& a : args) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  int fds[2];
+  if (pipe2(fds, O_CLOEXEC) != 0) return -1;
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  if (with_stdout) posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
+  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
+  posix_spawn_file_actions_addclose(&actions, fds[0]);
+  pid_t pid = -1;
+  if (posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ) != 0) pid = -1;
+  posix_spawn_file_actions_destroy(&actions);
+  close(fds[1]);
+  if (pid < 0) {
+    close(fds[0]);
+    return -1;
+  }
+  *read_fd = fds[0];
+  return pid;
+}
+
 class ChildServer {
  public:
   explicit ChildServer(std::vector<std::string> args) {
     args.insert(args.begin(), OSCARKV_SERVER_BINARY);
-    std::vector<char*> argv;
-    for (auto& a : args) argv.push_back(a.data());
-    argv.push_back(nullptr);
-    int fds[2];
-    if (pipe(fds) != 0) return;
-    posix_spawn_file_actions_t actions;
-    posix_spawn_file_actions_init(&actions);
-    posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
-    posix_spawn_file_actions_addclose(&actions, fds[0]);
-    if (posix_spawn(&pid_, argv[0], &actions, nullptr, argv.data(), environ) != 0) pid_ = -1;
-    posix_spawn_file_actions_destroy(&actions);
-    close(fds[1]);
-    err_ = fdopen(fds[0], "r");
+    int fd = -1;
+    pid_ = SpawnWithPipe(std::move(args), /*with_stdout=*/false, &fd);
+    if (fd >= 0) err_ = fdopen(fd, "r");
   }
   ~ChildServer() {
     if (pid_ > 0 && !reaped_) {
@@ -221,30 +238,15 @@ struct ChildResult {
 // Runs a program with stdout and stderr into one pipe; kills it at the deadline.
 ChildResult RunWithDeadline(std::vector<std::string> args, std::chrono::seconds limit) {
   ChildResult r;
-  std::vector<char*> argv;
-  for (auto& a : args) argv.push_back(a.data());
-  argv.push_back(nullptr);
-  int fds[2];
-  if (pipe2(fds, O_CLOEXEC) != 0) return r;
-  posix_spawn_file_actions_t actions;
-  posix_spawn_file_actions_init(&actions);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDOUT_FILENO);
-  posix_spawn_file_actions_adddup2(&actions, fds[1], STDERR_FILENO);
-  posix_spawn_file_actions_addclose(&actions, fds[0]);
-  pid_t pid = -1;
-  const int rc = posix_spawn(&pid, argv[0], &actions, nullptr, argv.data(), environ);
-  posix_spawn_file_actions_destroy(&actions);
-  close(fds[1]);
-  if (rc != 0) {
-    close(fds[0]);
-    return r;
-  }
+  int out_fd = -1;
+  const pid_t pid = SpawnWithPipe(std::move(args), /*with_stdout=*/true, &out_fd);
+  if (pid < 0) return r;
   const auto deadline = std::chrono::steady_clock::now() + limit;
   char buf[4096];
   while (std::chrono::steady_clock::now() < deadline) {
-    pollfd p{fds[0], POLLIN, 0};
+    pollfd p{out_fd, POLLIN, 0};
     if (poll(&p, 1, 50) > 0) {
-      const ssize_t n = read(fds[0], buf, sizeof(buf));
+      const ssize_t n = read(out_fd, buf, sizeof(buf));
       if (n <= 0) break;  // EOF: the child closed its output
       r.output.append(buf, size_t(n));
     }
@@ -263,7 +265,7 @@ ChildResult RunWithDeadline(std::vector<std::string> args, std::chrono::seconds 
   } else if (WIFEXITED(status)) {
     r.code = WEXITSTATUS(status);
   }
-  close(fds[0]);
+  close(out_fd);
   return r;
 }
 
