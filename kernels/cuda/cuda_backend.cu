@@ -50,6 +50,46 @@ class JobUpload {
   size_t capacity_ = 0;
 };
 
+// Small host-to-device copies (a decode step's K and V rows, a few KB) are
+// staged through a pinned ring: the DMA then reads pinned memory, and the
+// call needs neither a pointer-type query nor the driver's pageable staging.
+// The ring restarts from its beginning after the stream has finished every
+// copy of the previous lap.
+class PinnedRing {
+ public:
+  static constexpr size_t kBytes = size_t{1} << 20;
+  static constexpr size_t kMaxCopy = size_t{64} << 10;
+
+  ~PinnedRing() {
+    if (host_ != nullptr) cudaFreeHost(host_);
+  }
+  // Enqueues dst <- src (bytes <= kMaxCopy) on `stream`; src may be reused
+  // when this returns.
+  absl::Status Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (host_ == nullptr) {
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host_, kBytes, cudaHostAllocDefault));
+    }
+    if (pos_ + bytes > kBytes) {
+      // The previous lap's copies must have read their bytes first.
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+      pos_ = 0;
+    }
+    uint8_t* slot = static_cast<uint8_t*>(host_) + pos_;
+    std::memcpy(slot, src, bytes);
+    pos_ = (pos_ + bytes + 255) & ~size_t{255};
+    // Enqueued under the lock: a later lap cannot reuse the slot before it.
+    OSCARKV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, stream));
+    return absl::OkStatus();
+  }
+
+ private:
+  std::mutex mu_;
+  void* host_ = nullptr;
+  size_t pos_ = 0;
+};
+
 absl::Status CheckRotation(const RotationRef& r, const char* what, int i) {
   if (r.r_k == nullptr || r.r_v == nullptr) {
     return absl::InvalidArgumentError(absl::StrCat(what, " ", i, " has no rotation"));
@@ -170,16 +210,19 @@ class CudaBackend final : public Backend {
   }
 
  private:
-  // Waits for the copy only where the caller needs it: copies to the host,
-  // and copies from pinned host memory (which the DMA reads after the call).
-  // A copy from pageable memory has been staged when cudaMemcpyAsync returns,
-  // and device-to-device copies are ordered with everything later on the
-  // stream, so neither needs a round trip (the fused Append+Attend path makes
-  // several such copies per item).
+  // Small host-to-device copies go through the pinned ring (no wait). Others
+  // wait only where the caller needs it: copies to the host, and copies from
+  // pinned host memory (which the DMA reads after the call). A copy from
+  // pageable memory has been staged when cudaMemcpyAsync returns, and
+  // device-to-device copies are ordered with everything later on the stream,
+  // so neither needs a round trip.
   absl::Status Copy(void* dst, const void* src, size_t bytes, cudaMemcpyKind kind) {
     if (bytes == 0) return absl::OkStatus();
     if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("copy with a null pointer");
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    if (kind == cudaMemcpyHostToDevice && bytes <= PinnedRing::kMaxCopy) {
+      return ring_.Copy(dst, src, bytes, stream_);
+    }
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, kind, stream_));
     bool wait = kind == cudaMemcpyDeviceToHost;
     if (kind == cudaMemcpyHostToDevice) {
@@ -200,6 +243,7 @@ class CudaBackend final : public Backend {
   std::mutex mu_;  // guards launcher_, jobs_ (and their staging buffers)
   std::unique_ptr<AttendLauncher> launcher_;
   JobUpload jobs_;
+  PinnedRing ring_;  // small host-to-device copies (its own lock)
   cudaStream_t stream_;
 };
 
