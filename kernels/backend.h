@@ -143,8 +143,10 @@ class Backend {
   virtual std::string AvailableMemoryName() const { return "free " + name() + " device memory"; }
   // True when the kernels run on the host's cores (the CPU backend): a call
   // then takes milliseconds of CPU time, where an accelerator's caller only
-  // waits. The server keeps such calls off gRPC's threads.
-  virtual bool ComputesOnHost() const { return false; }
+  // waits briefly. By default the server runs small Attend batches on gRPC's
+  // own threads only for a backend that answers false. True unless a backend
+  // says otherwise (the safe answer for one that does not know).
+  virtual bool ComputesOnHost() const { return true; }
 
   virtual absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) = 0;
   // Copies are ordered with every later call on the backend. When

@@ -33,7 +33,7 @@ ABSL_FLAG(std::string, backend, "auto",
 ABSL_FLAG(int, cpu_threads, 0, "CPU backend worker threads (0: one per hardware thread)");
 ABSL_FLAG(int, compute_threads, 0,
           "threads that run ingest encoding and attention off gRPC's callback threads "
-          "(0: one per hardware thread)");
+          "(0: one per hardware thread; see also --attend_inline_items)");
 ABSL_FLAG(int, attend_inline_items, -1,
           "Attend messages with at most this many items run on the gRPC thread that read "
           "them, without a hop to the compute threads (0: every message hops; -1: 16 on a "

@@ -105,6 +105,11 @@ absl::StatusOr<size_t> ResolvePoolBytes(const ServerOptions& options, const Back
 absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
     const ServerOptions& options, std::shared_ptr<prometheus::Registry> registry,
     CalibrationReader calibration_reader) {
+  if (options.attend_inline_items < -1) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "attend_inline_items must be -1 (auto) or a count >= 0, got ",
+        options.attend_inline_items));
+  }
   std::unique_ptr<OscarkvServer> s(new OscarkvServer());
   OSCARKV_ASSIGN_OR_RETURN(s->backend_,
                            CreateBackend(options.backend, options.cpu_threads, options.cuda_device));

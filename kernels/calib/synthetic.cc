@@ -1,9 +1,11 @@
 #include "kernels/calib/synthetic.h"
 
 #include <algorithm>
+#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <numeric>
+#include <system_error>
 #include <thread>
 #include <vector>
 
@@ -408,14 +410,18 @@ absl::StatusOr<SyntheticLayer> GenerateSyntheticLayer(const SyntheticSpec& s, in
       for (int j = 0; j < d; ++j) kd[j] = FloatToBf16(base[j] + float(alpha) * u[j]);
     }
   };
+  std::atomic<int> next_head{0};
+  auto work = [&] {
+    for (int h = next_head++; h < hkv; h = next_head++) generate_head(h);
+  };
   const int threads = std::max(1, std::min<int>(hkv, std::thread::hardware_concurrency()));
   std::vector<std::thread> workers;
-  for (int w = 1; w < threads; ++w) {
-    workers.emplace_back([&, w] {
-      for (int h = w; h < hkv; h += threads) generate_head(h);
-    });
+  try {
+    for (int w = 1; w < threads; ++w) workers.emplace_back(work);
+  } catch (const std::system_error&) {
+    // No more threads to be had: this one takes the heads left over.
   }
-  for (int h = 0; h < hkv; h += threads) generate_head(h);
+  work();
   for (std::thread& t : workers) t.join();
   return out;
 }

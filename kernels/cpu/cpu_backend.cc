@@ -41,15 +41,16 @@ absl::Status ValidateQuery(const float* q, size_t n) {
   if (q == nullptr) return absl::InvalidArgumentError("query is missing");
   // A branch-free scan of the exponent bits (it vectorizes: this runs on
   // every attention call), then the index only when something is wrong.
-  uint32_t all_ones = 0;
-  for (size_t i = 0; i < n; ++i) {
+  auto non_finite = [q](size_t i) {
     uint32_t bits;
     std::memcpy(&bits, q + i, sizeof(bits));
-    all_ones |= (bits & 0x7f800000u) == 0x7f800000u;
-  }
-  if (all_ones == 0) return absl::OkStatus();
+    return uint32_t((bits & 0x7f800000u) == 0x7f800000u);  // exponent all ones
+  };
+  uint32_t any = 0;
+  for (size_t i = 0; i < n; ++i) any |= non_finite(i);
+  if (any == 0) return absl::OkStatus();
   size_t i = 0;
-  while (std::isfinite(q[i])) ++i;
+  while (i + 1 < n && non_finite(i) == 0) ++i;
   return absl::InvalidArgumentError(absl::StrCat("query contains a non-finite value at index ", i));
 }
 

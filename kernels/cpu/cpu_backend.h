@@ -22,7 +22,6 @@ class CpuBackend final : public Backend {
   // Available host memory (sysconf _SC_AVPHYS_PAGES x page size).
   absl::StatusOr<size_t> AvailableBytes() const override;
   std::string AvailableMemoryName() const override { return "available host memory"; }
-  bool ComputesOnHost() const override { return true; }
   absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override;
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override;
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override;

@@ -49,8 +49,8 @@ class AttendLauncher {
 
   // Checks the batch (queries included: INVALID_ARGUMENT for a non-finite
   // value), plans the work units, grows its buffers if needed (rarely: they
-  // keep the largest size seen; growing the results buffer waits for the
-  // device) and enqueues one upload of the queries, page tables and schedule
+  // keep the largest size seen; growing the results buffer or the workspace
+  // waits for the device) and enqueues one upload of the queries, page tables and schedule
   // from pinned staging memory on `stream`. The batch's host arrays and
   // queries are read during the call only. Waits for the previous upload
   // from the staging buffer to finish before reusing it. After a failed

@@ -35,8 +35,14 @@ class JobUpload {
       if (dev_ != nullptr) OSCARKV_CUDA_RETURN_IF_ERROR(cudaFree(dev_));
       host_ = dev_ = nullptr;
       capacity_ = 0;
-      OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host_, want, cudaHostAllocDefault));
-      OSCARKV_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev_, want));
+      if (const cudaError_t e = cudaHostAlloc(&host_, want, cudaHostAllocDefault); e != cudaSuccess) {
+        host_ = nullptr;
+        return CudaAllocationStatus(e, "cudaHostAlloc (job staging)");
+      }
+      if (const cudaError_t e = cudaMalloc(&dev_, want); e != cudaSuccess) {
+        dev_ = nullptr;
+        return CudaAllocationStatus(e, "cudaMalloc (job array)");
+      }
       capacity_ = want;
     }
     std::memcpy(host_, src, bytes);
@@ -63,12 +69,18 @@ class PinnedRing {
   ~PinnedRing() {
     if (host_ != nullptr) cudaFreeHost(host_);
   }
-  // Enqueues dst <- src (bytes <= kMaxCopy) on `stream`; src may be reused
-  // when this returns.
-  absl::Status Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  // Enqueues dst <- src on `stream` and returns true (src may be reused
+  // then), or returns false for a copy larger than kMaxCopy or when the ring
+  // cannot be allocated: the caller copies directly.
+  absl::StatusOr<bool> Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+    if (bytes > kMaxCopy) return false;
     std::lock_guard<std::mutex> lock(mu_);
     if (host_ == nullptr) {
-      OSCARKV_CUDA_RETURN_IF_ERROR(cudaHostAlloc(&host_, kBytes, cudaHostAllocDefault));
+      if (cudaHostAlloc(&host_, kBytes, cudaHostAllocDefault) != cudaSuccess) {
+        cudaGetLastError();  // not sticky: the direct path still works
+        host_ = nullptr;
+        return false;
+      }
     }
     if (pos_ + bytes > kBytes) {
       // The previous lap's copies must have read their bytes first.
@@ -81,7 +93,7 @@ class PinnedRing {
     // Enqueued under the lock: a later lap cannot reuse the slot before it.
     OSCARKV_CUDA_RETURN_IF_ERROR(
         cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, stream));
-    return absl::OkStatus();
+    return true;
   }
 
  private:
@@ -113,6 +125,7 @@ class CudaBackend final : public Backend {
   }
 
   std::string name() const override { return "cuda"; }
+  bool ComputesOnHost() const override { return false; }
   std::string description() const override { return description_; }
 
   // Free memory of this device (cudaMemGetInfo), not of the host.
@@ -128,8 +141,7 @@ class CudaBackend final : public Backend {
     void* p = nullptr;
     const cudaError_t err = cudaMalloc(&p, std::max<size_t>(bytes, 1));
     if (err != cudaSuccess) {
-      cudaGetLastError();  // clear the sticky-free allocation error
-      return CudaStatus(err, absl::StrCat("cudaMalloc(", bytes, " bytes)").c_str());
+      return CudaAllocationStatus(err, absl::StrCat("cudaMalloc(", bytes, " bytes)").c_str());
     }
     const int dev = device_;
     return DeviceBuffer(p, bytes, [dev](void* q) {
@@ -220,8 +232,9 @@ class CudaBackend final : public Backend {
     if (bytes == 0) return absl::OkStatus();
     if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("copy with a null pointer");
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    if (kind == cudaMemcpyHostToDevice && bytes <= PinnedRing::kMaxCopy) {
-      return ring_.Copy(dst, src, bytes, stream_);
+    if (kind == cudaMemcpyHostToDevice) {
+      OSCARKV_ASSIGN_OR_RETURN(const bool staged, ring_.Copy(dst, src, bytes, stream_));
+      if (staged) return absl::OkStatus();
     }
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, kind, stream_));
     bool wait = kind == cudaMemcpyDeviceToHost;

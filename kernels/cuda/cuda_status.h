@@ -34,6 +34,14 @@ inline absl::Status CudaStatus(cudaError_t err, const char* what) {
   }
 }
 
+// For an allocation that failed: clears the error that CUDA also keeps for
+// the next cudaGetLastError (a later launch check would report it as its
+// own), then maps it like CudaStatus.
+inline absl::Status CudaAllocationStatus(cudaError_t err, const char* what) {
+  cudaGetLastError();
+  return CudaStatus(err, what);
+}
+
 }  // namespace oscarkv
 
 #define OSCARKV_CUDA_STRINGIFY_INNER_(x) #x

@@ -36,8 +36,13 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
     response_.set_request_id(request_.request_id());
     // Nothing is pending while the batch runs, so the reactor stays alive.
     const ServiceContext& c = svc_->context();
-    RunOn(request_.items_size() <= c.attend_inline_items ? nullptr : c.executor, [this] {
+    const bool run_inline =
+        c.executor == nullptr ||
+        (request_.items_size() <= c.attend_inline_items && svc_->TryEnterInline());
+    const bool counted = run_inline && c.executor != nullptr;
+    RunOn(run_inline ? nullptr : c.executor, [this, counted] {
       AttendAll();
+      if (counted) svc_->LeaveInline();
       StartWrite(&response_);
     });
   }

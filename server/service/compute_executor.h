@@ -1,9 +1,10 @@
 // Worker threads for the service's heavy work (encoding ingested chunks,
-// attention), so that gRPC's callback threads only move messages: a reactor
+// attention), so that gRPC's callback threads mostly move messages: a reactor
 // posts the work here and resumes the stream (StartRead / StartWrite) from the
 // worker when it is done. gRPC asks reactions to be short and non-blocking; a
-// 10 ms CPU attention or a GPU synchronization in one would hold a callback
-// thread that other calls need.
+// 10 ms CPU attention in one would hold a callback thread that other calls
+// need. The one exception: small Attend batches on a GPU backend, a short
+// wait, may run inline, two at a time at most (--attend_inline_items).
 //
 // Thread-safety: Post may be called from any thread. The destructor runs every
 // task already posted, then joins the workers.
@@ -43,7 +44,7 @@ class ComputeExecutor {
 };
 
 // Runs `task` on `executor`, or inline when there is none (tests that build a
-// service by hand).
+// service by hand, and the inline Attend batches).
 inline void RunOn(ComputeExecutor* executor, std::function<void()> task) {
   if (executor != nullptr) {
     executor->Post(std::move(task));

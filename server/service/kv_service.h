@@ -9,6 +9,7 @@
 #ifndef OSCARKV_SERVER_SERVICE_KV_SERVICE_H_
 #define OSCARKV_SERVER_SERVICE_KV_SERVICE_H_
 
+#include <atomic>
 #include <chrono>
 #include <functional>
 #include <memory>
@@ -38,8 +39,9 @@ struct ServiceContext {
   // gRPC's callback threads.
   ComputeExecutor* executor = nullptr;
   // Attend messages of at most this many items run inline on the callback
-  // thread that read them (one thread hop less per decode step); larger ones
-  // go to the executor.
+  // thread that read them (one thread hop less per decode step), at most
+  // kMaxInlineAttends at a time; larger ones, and the rest, go to the
+  // executor. The server resolves its option's -1 (auto) before this.
   int attend_inline_items = 0;
   CalibrationReader calibration_reader;
   // Real path of --calibration_dir: LoadCalibration(path) reads only files
@@ -87,10 +89,24 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   void Record(const char* method, std::chrono::steady_clock::time_point start,
               absl::StatusCode code) const;
 
+  // Attend batches running inline on gRPC callback threads: they wait on the
+  // backend (its lock, a GPU synchronization), so only this many may hold a
+  // callback thread at once; TryEnterInline() is false beyond it.
+  static constexpr int kMaxInlineAttends = 2;
+  bool TryEnterInline() const {
+    int n = inline_attends_.load(std::memory_order_relaxed);
+    while (n < kMaxInlineAttends) {
+      if (inline_attends_.compare_exchange_weak(n, n + 1, std::memory_order_acq_rel)) return true;
+    }
+    return false;
+  }
+  void LeaveInline() const { inline_attends_.fetch_sub(1, std::memory_order_acq_rel); }
+
  private:
   absl::Status DoLoadCalibration(const v1::LoadCalibrationRequest& request,
                                  v1::LoadCalibrationResponse* response);
   ServiceContext ctx_;
+  mutable std::atomic<int> inline_attends_{0};
 };
 
 // Reactor factories (kv_streams.cc, attend_reactor.cc).

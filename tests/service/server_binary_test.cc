@@ -63,7 +63,7 @@ class ChildServer {
     args.insert(args.begin(), OSCARKV_SERVER_BINARY);
     int fd = -1;
     pid_ = SpawnWithPipe(std::move(args), /*with_stdout=*/false, &fd);
-    if (fd >= 0) err_ = fdopen(fd, "r");
+    if (fd >= 0 && (err_ = fdopen(fd, "r")) == nullptr) close(fd);
   }
   ~ChildServer() {
     if (pid_ > 0 && !reaped_) {

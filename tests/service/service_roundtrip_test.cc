@@ -4,6 +4,7 @@
 
 #include "client/local_attention.h"
 #include "gmock/gmock.h"
+#include "server/service/kv_service.h"
 #include "service_fixture.h"
 
 namespace oscarkv::testing {
@@ -11,6 +12,7 @@ namespace {
 
 using ::testing::ElementsAre;
 using ::testing::Eq;
+using ::testing::HasSubstr;
 using ::testing::Le;
 using ::testing::Lt;
 using ::testing::SizeIs;
@@ -210,6 +212,25 @@ TEST(Service, OneAttendMessageMixesSequencesLayersAppendsAndErrors) { MixedAtten
 
 TEST(Service, OneAttendMessageRunInlineOnTheGrpcThreadGivesTheSameAnswers) {
   MixedAttendMessage(16);
+}
+
+TEST(Service, AtMostTwoAttendBatchesHoldGrpcThreadsAtOnce) {
+  const KvCacheService svc{ServiceContext{}};
+  ASSERT_EQ(KvCacheService::kMaxInlineAttends, 2);
+  EXPECT_TRUE(svc.TryEnterInline());
+  EXPECT_TRUE(svc.TryEnterInline());
+  EXPECT_FALSE(svc.TryEnterInline());  // the third goes to the compute threads
+  svc.LeaveInline();
+  EXPECT_TRUE(svc.TryEnterInline());
+}
+
+TEST(Service, AttendInlineItemsBelowAutoIsRefusedAtStart) {
+  ServerOptions o = TinyServerOptions();
+  o.attend_inline_items = -2;
+  auto s = OscarkvServer::Start(o, nullptr);
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), absl::StatusCode::kInvalidArgument);
+  EXPECT_THAT(std::string(s.status().message()), HasSubstr("attend_inline_items must be -1"));
 }
 
 // Two fused appends to one layer in one message, the second one demoting the
