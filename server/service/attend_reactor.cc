@@ -35,14 +35,15 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
     response_.Clear();
     response_.set_request_id(request_.request_id());
     // Nothing is pending while the batch runs, so the reactor stays alive.
+    // Small batches skip the hop to the executor (a null executor runs
+    // everything inline anyway).
     const ServiceContext& c = svc_->context();
-    const bool run_inline =
-        c.executor == nullptr ||
-        (request_.items_size() <= c.attend_inline_items && svc_->TryEnterInline());
-    const bool counted = run_inline && c.executor != nullptr;
-    RunOn(run_inline ? nullptr : c.executor, [this, counted] {
+    const bool inline_slot = c.executor != nullptr &&
+                             request_.items_size() <= c.attend_inline_items &&
+                             svc_->TryEnterInline();
+    RunOn(inline_slot ? nullptr : c.executor, [this, inline_slot] {
       AttendAll();
-      if (counted) svc_->LeaveInline();
+      if (inline_slot) svc_->LeaveInline();
       StartWrite(&response_);
     });
   }

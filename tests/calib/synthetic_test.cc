@@ -15,16 +15,18 @@
 namespace oscarkv {
 namespace {
 
-SyntheticSpec SmallSpec() {
+SyntheticSpec SpecOf(int q_heads, int kv_heads, int head_dim, int tokens, uint64_t seed) {
   SyntheticSpec s;
-  s.num_q_heads = 8;
-  s.num_kv_heads = 2;
-  s.head_dim = 64;
-  s.tokens = 512;
+  s.num_q_heads = q_heads;
+  s.num_kv_heads = kv_heads;
+  s.head_dim = head_dim;
+  s.tokens = tokens;
   s.num_queries = 4;
-  s.seed = 7;
+  s.seed = seed;
   return s;
 }
+
+SyntheticSpec SmallSpec() { return SpecOf(8, 2, 64, 512, 7); }
 
 // Scaled logits of query row r, q head i over all tokens.
 std::vector<double> Logits(const SyntheticLayer& l, int r, int i) {
@@ -56,13 +58,7 @@ TEST(Synthetic, IsDeterministicGivenSeedAndLayer) {
 // same bits as when they ran one after another (the value below was computed
 // with the sequential generator before the heads went parallel).
 TEST(Synthetic, ParallelHeadsGiveTheSequentialBits) {
-  SyntheticSpec s;
-  s.num_q_heads = 32;
-  s.num_kv_heads = 8;
-  s.head_dim = 128;
-  s.tokens = 2048;
-  s.num_queries = 4;
-  s.seed = 11;
+  SyntheticSpec s = SpecOf(32, 8, 128, 2048, 11);
   s.plant_needle = true;
   auto l = GenerateSyntheticLayer(s, 5);
   ASSERT_TRUE(l.ok()) << l.status();
