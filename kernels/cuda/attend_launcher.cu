@@ -72,10 +72,8 @@ absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t results_bytes,
     if (staging_ != nullptr) OSCARKV_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging_));
     staging_ = nullptr;
     staging_bytes_ = 0;
-    if (const cudaError_t e = cudaHostAlloc(&staging_, want, cudaHostAllocDefault); e != cudaSuccess) {
-      staging_ = nullptr;
-      return CudaAllocationStatus(e, "cudaHostAlloc (attention staging)");
-    }
+    OSCARKV_CUDA_ALLOC_OR_RETURN(staging_, cudaHostAlloc(&staging_, want, cudaHostAllocDefault),
+                                 "cudaHostAlloc (attention staging)");
     staging_bytes_ = want;
   }
   if (results_bytes > results_bytes_) {
@@ -87,10 +85,8 @@ absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t results_bytes,
     }
     results_ = results_dev_ = nullptr;
     results_bytes_ = 0;
-    if (const cudaError_t e = cudaHostAlloc(&results_, want, cudaHostAllocMapped); e != cudaSuccess) {
-      results_ = nullptr;
-      return CudaAllocationStatus(e, "cudaHostAlloc (attention results)");
-    }
+    OSCARKV_CUDA_ALLOC_OR_RETURN(results_, cudaHostAlloc(&results_, want, cudaHostAllocMapped),
+                                 "cudaHostAlloc (attention results)");
     void* dev = nullptr;
     if (const cudaError_t err = cudaHostGetDevicePointer(&dev, results_, 0); err != cudaSuccess) {
       cudaFreeHost(results_);
@@ -109,10 +105,8 @@ absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t results_bytes,
     }
     workspace_ = nullptr;
     workspace_bytes_ = 0;
-    if (const cudaError_t e = cudaMalloc(&workspace_, want); e != cudaSuccess) {
-      workspace_ = nullptr;
-      return CudaAllocationStatus(e, "cudaMalloc (attention workspace)");
-    }
+    OSCARKV_CUDA_ALLOC_OR_RETURN(workspace_, cudaMalloc(&workspace_, want),
+                                 "cudaMalloc (attention workspace)");
     workspace_bytes_ = want;
   }
   return absl::OkStatus();

@@ -35,14 +35,9 @@ class JobUpload {
       if (dev_ != nullptr) OSCARKV_CUDA_RETURN_IF_ERROR(cudaFree(dev_));
       host_ = dev_ = nullptr;
       capacity_ = 0;
-      if (const cudaError_t e = cudaHostAlloc(&host_, want, cudaHostAllocDefault); e != cudaSuccess) {
-        host_ = nullptr;
-        return CudaAllocationStatus(e, "cudaHostAlloc (job staging)");
-      }
-      if (const cudaError_t e = cudaMalloc(&dev_, want); e != cudaSuccess) {
-        dev_ = nullptr;
-        return CudaAllocationStatus(e, "cudaMalloc (job array)");
-      }
+      OSCARKV_CUDA_ALLOC_OR_RETURN(host_, cudaHostAlloc(&host_, want, cudaHostAllocDefault),
+                                   "cudaHostAlloc (job staging)");
+      OSCARKV_CUDA_ALLOC_OR_RETURN(dev_, cudaMalloc(&dev_, want), "cudaMalloc (job array)");
       capacity_ = want;
     }
     std::memcpy(host_, src, bytes);

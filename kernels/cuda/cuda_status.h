@@ -57,4 +57,15 @@ inline absl::Status CudaAllocationStatus(cudaError_t err, const char* what) {
     }                                                                                        \
   } while (0)
 
+// The same for an allocation `call` that sets `ptr`: on failure, `ptr` is
+// null and CUDA's kept copy of the error is cleared (CudaAllocationStatus).
+#define OSCARKV_CUDA_ALLOC_OR_RETURN(ptr, call, what)                     \
+  do {                                                                    \
+    const cudaError_t oscarkv_cuda_err_ = (call);                         \
+    if (oscarkv_cuda_err_ != cudaSuccess) {                               \
+      (ptr) = nullptr;                                                    \
+      return ::oscarkv::CudaAllocationStatus(oscarkv_cuda_err_, (what));  \
+    }                                                                     \
+  } while (0)
+
 #endif  // OSCARKV_KERNELS_CUDA_CUDA_STATUS_H_
