@@ -20,8 +20,13 @@ log=$(mktemp -t oscarkv-server.XXXXXX.log)
   --pool_size="${OSCARKV_POOL_SIZE:-2GiB}" 2>"$log" &
 pid=$!
 stop() { kill -TERM "$pid" 2>/dev/null && wait "$pid" 2>/dev/null || true; }
+# 127.0.0.1, not localhost: a minimal system (a fresh debootstrap root, some
+# containers) may have no /etc/hosts, and gRPC's resolver then fails on it.
+server=127.0.0.1:"$port"
+ready=0
 for _ in $(seq 1 60); do
-  if "$build"/client/tool/oscarkv info --server=localhost:"$port" --timeout=1 >/dev/null 2>&1; then
+  if "$build"/client/tool/oscarkv info --server="$server" --timeout=1 >/dev/null 2>&1; then
+    ready=1
     break
   fi
   if ! kill -0 "$pid" 2>/dev/null; then
@@ -33,12 +38,16 @@ for _ in $(seq 1 60); do
 done
 cat "$log"
 if [[ ${OSCARKV_KEEP_SERVER:-0} != 1 ]]; then trap stop EXIT; fi
-"$build"/client/oscarkv-demo --server=localhost:"$port" "$@"
+if [[ $ready != 1 ]]; then
+  echo "oscarkv-server runs (pid $pid) but did not answer on $server within 30 s" >&2
+  exit 1
+fi
+"$build"/client/oscarkv-demo --server="$server" "$@"
 echo
-echo "metrics: curl -s http://localhost:$metrics_port/metrics | grep ^oscarkv_"
+echo "metrics: curl -s http://127.0.0.1:$metrics_port/metrics | grep ^oscarkv_"
 if [[ ${OSCARKV_KEEP_SERVER:-0} == 1 ]]; then
   echo "oscarkv-server keeps running (pid $pid, log $log); stop it with: kill $pid"
 else
   echo "stopping oscarkv-server; rerun with OSCARKV_KEEP_SERVER=1 to keep it running and point"
-  echo "your own client at localhost:$port (oscarkv ls/put/get/attend --server=localhost:$port)"
+  echo "your own client at $server (oscarkv ls/put/get/attend --server=$server)"
 fi
