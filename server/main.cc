@@ -25,7 +25,8 @@
 #include "server/calibration_reader.h"
 #include "server/oscarkv_server.h"
 
-ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address (host:port; port 0 picks one)");
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address: host:port (port 0 picks one), or unix:PATH for a Unix "
+          "domain socket (a sidecar's clients on the same host; lower latency than TCP)");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "Prometheus /metrics listen address (host:port); empty disables metrics");
 ABSL_FLAG(std::string, backend, "auto",
@@ -184,9 +185,11 @@ int main(int argc, char** argv) {
                                   " data-free default", ")"));
   }
   std::fprintf(stderr,
-               "oscarkv-server: listening on port %d (%s), backend %s, pool %.1f MiB%s, "
+               "oscarkv-server: listening on %s, backend %s, pool %.1f MiB%s, "
                "eviction %s\n  models: %s\n  LoadCalibration by path: %s\n  metrics: %s\n",
-               (*server)->port(), o.listen_address.c_str(),
+               (*server)->port() > 0
+                   ? absl::StrCat("port ", (*server)->port(), " (", o.listen_address, ")").c_str()
+                   : o.listen_address.c_str(),
                (*server)->backend().description().c_str(),
                double((*server)->pool().total_bytes()) / (1 << 20),
                (*server)->pool_size_note().empty()

@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "absl/strings/numbers.h"
+#include "absl/strings/match.h"
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_split.h"
 #include "grpcpp/ext/proto_server_reflection_plugin.h"
@@ -218,6 +219,11 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   if (s->server_ == nullptr || s->port_ == 0) {
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.listen_address, " (in use or invalid)"));
+  }
+  if (absl::StartsWith(options.listen_address, "unix:")) {
+    // gRPC reports a placeholder port for a socket path; there is none.
+    s->unix_socket_ = options.listen_address;
+    s->port_ = 0;
   }
   s->server_->GetHealthCheckService()->SetServingStatus(true);
   return s;

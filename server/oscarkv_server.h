@@ -83,9 +83,13 @@ class OscarkvServer {
       CalibrationReader calibration_reader = nullptr);
   ~OscarkvServer();
 
-  // The bound port (useful with port 0).
+  // The bound port (useful with port 0); 0 for a Unix domain socket.
   int port() const { return port_; }
-  std::string address() const { return "127.0.0.1:" + std::to_string(port_); }
+  // Where a client on this host reaches the server: the socket for a
+  // "unix:" listen address, else 127.0.0.1 and the bound port.
+  std::string address() const {
+    return unix_socket_.empty() ? "127.0.0.1:" + std::to_string(port_) : unix_socket_;
+  }
   // Stops accepting, lets in-flight calls finish until `deadline`, then
   // cancels the rest. Idempotent.
   void Shutdown(std::chrono::system_clock::time_point deadline);
@@ -119,6 +123,7 @@ class OscarkvServer {
   std::unique_ptr<grpc::Server> server_;
   std::string pool_size_note_;
   int port_ = 0;
+  std::string unix_socket_;  // the listen address when it is "unix:PATH"
   bool shut_down_ = false;
 };
 

@@ -6,7 +6,7 @@
 //           the same attention called in-process on the server's store;
 //   memory  pool bytes per token actually held vs the codec's figure.
 // Usage: service_bench [--quick] [--backend=cpu|cuda|auto] [--only=memory|attend|ingest]
-//                      [--attend_inline_items=N]
+//                      [--attend_inline_items=N] [--listen=ADDR]
 #include <algorithm>
 #include <chrono>
 #include <cmath>
@@ -30,6 +30,7 @@ namespace {
 using Clock = std::chrono::steady_clock;
 std::string g_backend = "cpu";  // --backend=cpu|cuda|auto
 int g_attend_inline_items = -1;  // --attend_inline_items=N (ServerOptions::attend_inline_items)
+std::string g_listen = "127.0.0.1:0";  // --listen=ADDR (attend; unix:PATH for a Unix socket)
 double Secs(Clock::duration d) { return std::chrono::duration<double>(d).count(); }
 
 double Pct(std::vector<double> v, double p) {
@@ -169,6 +170,7 @@ void BenchAttend(bool quick) {
   ServerOptions o;
   o.backend = g_backend;
   o.attend_inline_items = g_attend_inline_items;
+  o.listen_address = g_listen;
   o.pool_size.bytes = size_t(768) << 20;
   o.models = {"q8b1:1:32:8:128"};
   auto server = OscarkvServer::Start(o, nullptr);
@@ -198,8 +200,8 @@ void BenchAttend(bool quick) {
   std::normal_distribution<float> nd;
   for (float& x : q) x = nd(rng);
   std::printf("\n== attend: one layer, %d tokens per sequence (Qwen3-8B heads), %s backend, "
-              "--attend_inline_items=%d (-1: the server's default)\n",
-              tokens, g_backend.c_str(), g_attend_inline_items);
+              "--attend_inline_items=%d (-1: the server's default), server on %s\n",
+              tokens, g_backend.c_str(), g_attend_inline_items, (*server)->address().c_str());
   std::printf("%-6s %-7s %-7s %-12s %-12s %-16s %-16s %-15s %-10s\n", "seqs", "tokens", "append",
               "rpc p50 ms", "rpc p99 ms", "in-proc p50 ms", "in-proc p99 ms", "overhead p50 us",
               "max|diff|");
@@ -335,6 +337,7 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--quick") == 0) quick = true;
     if (std::strncmp(argv[i], "--only=", 7) == 0) only = argv[i] + 7;
     if (std::strncmp(argv[i], "--backend=", 10) == 0) oscarkv::g_backend = argv[i] + 10;
+    if (std::strncmp(argv[i], "--listen=", 9) == 0) oscarkv::g_listen = argv[i] + 9;
     if (std::strncmp(argv[i], "--attend_inline_items=", 22) == 0) {
       oscarkv::g_attend_inline_items = std::atoi(argv[i] + 22);
     }

@@ -1,5 +1,8 @@
 // End-to-end over real gRPC (in-process server on 127.0.0.1:0, client library):
 // put -> get, put -> attend, appends across the demotion boundary, admin calls.
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstring>
 
 #include "client/local_attention.h"
@@ -93,6 +96,40 @@ TEST(Service, AttendEqualsLocalAttentionOnFetchedPagesAndFp64Reference) {
               Le(BackendTolerance()));
   EXPECT_THAT(MaxAbsDiff((*remote)[0].out, ref), Lt(1e-4));
   EXPECT_THAT(MaxAbsDiff((*remote)[0].lse, lse_ref), Lt(1e-4));
+}
+
+// A sidecar's clients on the same host may use a Unix domain socket.
+TEST(Service, ServesOverAUnixDomainSocket) {
+  const std::string path = ::testing::TempDir() + "/oscarkv_uds_" + std::to_string(::getpid());
+  std::remove(path.c_str());
+  ServerOptions o = TinyServerOptions();
+  o.listen_address = "unix:" + path;
+  {
+    TestServer ts(o);
+    ASSERT_NE(ts.server, nullptr);
+    EXPECT_EQ(ts.server->address(), "unix:" + path);
+    EXPECT_EQ(ts.server->port(), 0);
+    const ModelLayout layout = TinyLayout();
+    const KvData data = MakeKv(layout, 150, 2);
+    auto put = ts.client->PutSequence("s", kTinyModel, layout, data.tokens, data.k.data(),
+                                      data.v.data());
+    ASSERT_TRUE(put.ok()) << put.status();
+    const std::vector<float> q = RandomQuery(layout, 7);
+    auto remote = ts.client->Attend({AttendQuery{"s", 1, q.data()}}, layout, true);
+    ASSERT_TRUE(remote.ok()) << remote.status();
+    ASSERT_TRUE((*remote)[0].status.ok()) << (*remote)[0].status;
+    EXPECT_EQ((*remote)[0].tokens, 150);
+    // The same answer as the store computes in process.
+    auto h = ts.server->store().Acquire("s");
+    ASSERT_TRUE(h.ok());
+    std::vector<float> out(q.size()), lse(layout.num_q_heads);
+    int64_t n = 0;
+    ASSERT_TRUE(ts.server->store()
+                    .Attend(*h, 1, q.data(), nullptr, nullptr, -1, out.data(), lse.data(), &n)
+                    .ok());
+    EXPECT_EQ((*remote)[0].out, out);
+  }
+  std::remove(path.c_str());
 }
 
 TEST(Service, AppendAcrossDemotionBoundaryKeepsTiersAndAttention) {
