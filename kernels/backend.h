@@ -112,6 +112,13 @@ struct AttendItem {
   // History pages, each full (P tokens), in token order.
   const uint8_t* const* pages = nullptr;
   int num_pages = 0;
+  // Names this page table across calls; 0 = no name. The caller promises
+  // that while an id is in use its table only grows at the end: a later call
+  // with the same id starts with the same pages in the same order. A table
+  // that is cleared or rebuilt gets a new id, and ids are never reused. The
+  // CUDA backend then keeps a device copy of the table and uploads only the
+  // pages added since the last call (a decode step: none, or one).
+  uint64_t page_table_id = 0;
 };
 
 struct AttendBatch {

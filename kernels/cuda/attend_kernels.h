@@ -21,11 +21,13 @@
 #include <map>
 #include <memory>
 #include <utility>
+#include <vector>
 
 #include "absl/status/status.h"
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/attend_schedule.h"
+#include "kernels/cuda/page_table_cache.h"
 
 namespace oscarkv {
 
@@ -37,6 +39,10 @@ struct AttendSchedule {
   int pages_per_unit = 0;
   int partials = 0;
   size_t upload_bytes = 0;
+  // Page pointers copied to the device by this call: every page of an item
+  // without a page_table_id, only the new pages of a known table.
+  long pages_uploaded = 0;
+  int page_tables_cleared = 0;  // 1 if the device page-table array was cleared (full)
 };
 
 class AttendLauncher {
@@ -101,9 +107,20 @@ class AttendLauncher {
   // Takes effect at the next Prepare().
   void set_ablate(int bits) { ablate_ = bits; }
 
+  // Entries (page pointers) of the device array that holds the copies of
+  // named page tables (AttendItem::page_table_id; see page_table_cache.h).
+  // 0, the default: it starts at 256 K entries (2 MiB) and doubles whenever
+  // one batch's tables need more than half of it. Tests set small sizes to
+  // make it fill up. Takes effect at the next Prepare() (which then waits for
+  // the device).
+  void set_page_table_entries(size_t entries) { page_table_entries_ = entries; }
+
  private:
   AttendLauncher(int device, int num_sms);
   absl::Status Reserve(size_t staging_bytes, size_t results_bytes, size_t device_bytes);
+  // Fills table_plans_ for batch b: where each named page table lives in
+  // page_tables_ and what it uploads (grows the array if needed).
+  absl::Status PlacePageTables(const AttendBatch& b);
 
   int device_;
   int num_sms_;
@@ -122,6 +139,22 @@ class AttendLauncher {
   void* workspace_ = nullptr;
   size_t workspace_bytes_ = 0;
   cudaEvent_t upload_done_ = nullptr;
+  // Device copies of named page tables (tables_ says where each one lives).
+  const uint8_t** page_tables_ = nullptr;
+  size_t page_table_entries_ = 0;  // requested size; 0 = automatic
+  cuda_attend::PageTableCache tables_;
+  struct TablePlan {
+    bool named = false;  // in page_tables_; else in the upload's page table
+    size_t offset = 0;
+    int upload_from = 0;
+  };
+  std::vector<TablePlan> table_plans_;  // per item of the batch being prepared
+  struct TableUpdate {
+    size_t entry;   // first array entry written
+    long staged;    // its first pointer in the staging buffer's update region
+    int count;
+  };
+  std::vector<TableUpdate> table_updates_;
   // Resident blocks per SM of each split kernel used so far (by shape and variant).
   std::map<std::pair<int, int>, int> split_blocks_per_sm_;
 

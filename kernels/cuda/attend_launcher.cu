@@ -62,6 +62,7 @@ AttendLauncher::~AttendLauncher() {
   if (staging_ != nullptr) cudaFreeHost(staging_);
   if (results_ != nullptr) cudaFreeHost(results_);
   if (upload_done_ != nullptr) cudaEventDestroy(upload_done_);
+  if (page_tables_ != nullptr) cudaFree(page_tables_);
 }
 
 absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t results_bytes,
@@ -153,6 +154,29 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   if (num_work > (1L << 30) || sizes.partials > (1L << 30) || total_pages > (1L << 30)) {
     return absl::InvalidArgumentError("attention batch too large for one launch");
   }
+  // Named page tables have device copies: only their new entries are
+  // uploaded (into the array, after the main upload); the others go into the
+  // upload's page table. Until this Prepare succeeds, the cache's record of
+  // what is on the device is ahead of the copies: forget it on any failure.
+  schedule_.page_tables_cleared = 0;
+  OSCARKV_RETURN_IF_ERROR(PlacePageTables(b));
+  bool tables_committed = false;
+  struct ForgetTablesUnlessCommitted {
+    bool& committed;
+    cuda_attend::PageTableCache& tables;
+    ~ForgetTablesUnlessCommitted() {
+      if (!committed) tables.Clear();
+    }
+  } forget_tables{tables_committed, tables_};
+  long table_pages = 0, new_entries = 0;
+  for (int i = 0; i < n; ++i) {
+    const TablePlan& tp = table_plans_[i];
+    if (tp.named) {
+      new_entries += b.items[i].num_pages - tp.upload_from;
+    } else {
+      table_pages += b.items[i].num_pages;
+    }
+  }
 
   // Layout: [items][page table][exact blocks][work][queries] (uploaded from
   // the staging buffer), then [qfrag][qmeta][qexact][partials] (device only).
@@ -164,10 +188,13 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t result_floats = q_floats + b.num_q_heads;  // out, then lse
   const size_t off_items = 0;
   const size_t off_pages = AlignUp(off_items + sizeof(ItemPlan) * n);
-  const size_t off_exact = AlignUp(off_pages + sizeof(void*) * total_pages);
+  const size_t off_exact = AlignUp(off_pages + sizeof(void*) * table_pages);
   const size_t off_work = AlignUp(off_exact + sizeof(ExactBlockRef) * total_exact);
   const size_t off_q = AlignUp(off_work + sizeof(WorkUnit) * num_work);
   const size_t upload = AlignUp(off_q + size_t(n) * q_floats * 4);
+  // Staging only: the new entries of named tables, copied into the array.
+  const size_t off_updates = upload;
+  const size_t staging_bytes = off_updates + sizeof(void*) * new_entries;
   const size_t results_bytes = size_t(n) * result_floats * 4;
   const size_t off_qfrag = upload;
   const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
@@ -179,7 +206,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
 
   // The staging buffer may still feed the previous upload.
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(upload_done_));
-  OSCARKV_RETURN_IF_ERROR(Reserve(upload, results_bytes, total));
+  OSCARKV_RETURN_IF_ERROR(Reserve(staging_bytes, results_bytes, total));
   auto* host = static_cast<uint8_t*>(staging_);
   auto* dev = static_cast<uint8_t*>(workspace_);
   auto* items = reinterpret_cast<ItemPlan*>(host + off_items);
@@ -187,10 +214,31 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   auto* exact = reinterpret_cast<ExactBlockRef*>(host + off_exact);
   auto* work = reinterpret_cast<WorkUnit*>(host + off_work);
   auto* queries = reinterpret_cast<float*>(host + off_q);
+  auto* updates = reinterpret_cast<const uint8_t**>(host + off_updates);
   auto* dev_queries = reinterpret_cast<float*>(dev + off_q);
   auto* dev_results = static_cast<float*>(results_dev_);
 
-  long page_pos = 0, exact_pos = 0;
+  // Misaligned, or null: 0 - 1 wraps to the top bit (which no user-space
+  // or device address has).
+  auto bad_page = [](const uint8_t* pg) {
+    const auto addr = reinterpret_cast<uintptr_t>(pg);
+    return (addr & 7u) | ((addr - 1) >> 63);
+  };
+  // Copies `count` page pointers to `dst` (host), then checks them in one
+  // branch-free pass (a 128K-token item has 4096 pages).
+  auto copy_pages = [&](const uint8_t** dst, const uint8_t* const* src, int count, int item,
+                        int first) -> absl::Status {
+    std::memcpy(dst, src, sizeof(void*) * count);
+    uintptr_t bad = 0;
+    for (int p = 0; p < count; ++p) bad |= bad_page(dst[p]);
+    if (bad == 0) return absl::OkStatus();
+    int p = 0;
+    while (p + 1 < count && bad_page(src[p]) == 0) ++p;
+    return absl::InvalidArgumentError(absl::StrCat("attention item ", item, " page ", first + p,
+                                                   " is null or not 8-byte aligned"));
+  };
+  long page_pos = 0, exact_pos = 0, update_pos = 0;
+  table_updates_.clear();
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = b.items[i];
     ItemPlan& ip = items[i];
@@ -204,31 +252,26 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     ip.out = dev_results + i * result_floats;
     ip.lse = it.lse != nullptr ? ip.out + q_floats : nullptr;
     ip.rotation = it.rotation;
-    ip.pages = reinterpret_cast<const uint8_t* const*>(dev + off_pages) + page_pos;
     ip.exact = reinterpret_cast<const ExactBlockRef*>(dev + off_exact) + exact_pos;
     ip.num_pages = it.num_pages;
     ip.num_exact = it.num_exact;
-    if (it.num_pages > 0) {
-      // Copied, then checked in one branch-free pass (a 128K-token item has
-      // 4096 pages; this runs on every call).
-      std::memcpy(pages + page_pos, it.pages, sizeof(void*) * it.num_pages);
-      // Misaligned, or null: 0 - 1 wraps to the top bit (which no user-space
-      // or device address has).
-      auto bad_page = [](const uint8_t* pg) {
-        const auto addr = reinterpret_cast<uintptr_t>(pg);
-        return (addr & 7u) | ((addr - 1) >> 63);
-      };
-      uintptr_t bad = 0;
-      for (int p = 0; p < it.num_pages; ++p) bad |= bad_page(pages[page_pos + p]);
-      if (bad != 0) {
-        int p = 0;
-        while (p + 1 < it.num_pages && bad_page(it.pages[p]) == 0) ++p;
-        return absl::InvalidArgumentError(
-            absl::StrCat("attention item ", i, " page ", p, " is null or not 8-byte aligned"));
+    const TablePlan& tp = table_plans_[i];
+    if (tp.named) {
+      ip.pages = page_tables_ + tp.offset;
+      const int from = tp.upload_from, count = it.num_pages - tp.upload_from;
+      if (count > 0) {
+        OSCARKV_RETURN_IF_ERROR(copy_pages(updates + update_pos, it.pages + from, count, i, from));
+        table_updates_.push_back(TableUpdate{tp.offset + from, update_pos, count});
+        update_pos += count;
       }
+    } else {
+      ip.pages = reinterpret_cast<const uint8_t* const*>(dev + off_pages) + page_pos;
+      if (it.num_pages > 0) {
+        OSCARKV_RETURN_IF_ERROR(copy_pages(pages + page_pos, it.pages, it.num_pages, i, 0));
+      }
+      page_pos += it.num_pages;
     }
     if (it.num_exact > 0) std::memcpy(exact + exact_pos, it.exact, sizeof(ExactBlockRef) * it.num_exact);
-    page_pos += it.num_pages;
     exact_pos += it.num_exact;
   }
   cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, items);
@@ -239,7 +282,13 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.wide_merge = max_splits > cuda_attend::kWarps * cuda_attend::MergeBatch(D, false);
   const int w = static_cast<int>(num_work);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, host, upload, cudaMemcpyHostToDevice, stream));
+  for (const TableUpdate& u : table_updates_) {
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(page_tables_ + u.entry, updates + u.staged,
+                                                 sizeof(void*) * u.count,
+                                                 cudaMemcpyHostToDevice, stream));
+  }
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_done_, stream));
+  tables_committed = true;
 
   shape.num_work = w;
   LaunchArgs& a = prepared_->args;
@@ -262,8 +311,65 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.history_units = static_cast<int>(sizes.history_units);
   schedule_.pages_per_unit = static_cast<int>(sizes.pages_per_unit);
   schedule_.partials = static_cast<int>(sizes.partials);
-  schedule_.upload_bytes = upload;
+  schedule_.upload_bytes = upload + sizeof(void*) * new_entries;
+  schedule_.pages_uploaded = table_pages + new_entries;
   return absl::OkStatus();
+}
+
+absl::Status AttendLauncher::PlacePageTables(const AttendBatch& b) {
+  using cuda_attend::PageTableCache;
+  const int n = b.num_items;
+  table_plans_.assign(n, TablePlan{});
+  size_t need = 0;
+  for (int i = 0; i < n; ++i) {
+    const AttendItem& it = b.items[i];
+    if (it.page_table_id != 0 && it.num_pages > 0) need += PageTableCache::CapacityFor(it.num_pages);
+  }
+  if (need == 0) return absl::OkStatus();
+  // The array's size: as requested, else at least 256 K entries and twice
+  // what this batch needs.
+  size_t want = page_table_entries_;
+  if (want == 0) {
+    want = std::max<size_t>(tables_.capacity(), size_t(1) << 18);
+    while (want < 2 * need) want *= 2;
+  }
+  if (page_tables_ == nullptr || want != tables_.capacity()) {
+    if (page_tables_ != nullptr) {
+      // Kernels of earlier launches may still read the old array.
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaFree(page_tables_));
+      page_tables_ = nullptr;
+    }
+    tables_.Reset(0);
+    void* mem = nullptr;
+    OSCARKV_CUDA_ALLOC_OR_RETURN(mem, cudaMalloc(&mem, sizeof(void*) * want),
+                                 "cudaMalloc (attention page tables)");
+    page_tables_ = static_cast<const uint8_t**>(mem);
+    tables_.Reset(want);
+  }
+  // Too big for the array (only with a requested size): uploaded in full.
+  if (need > tables_.capacity()) return absl::OkStatus();
+  for (int attempt = 0; attempt < 2; ++attempt) {
+    bool placed_all = true;
+    for (int i = 0; i < n && placed_all; ++i) {
+      const AttendItem& it = b.items[i];
+      if (it.page_table_id == 0 || it.num_pages <= 0) continue;
+      const auto p = tables_.Place(it.page_table_id,
+                                   reinterpret_cast<const void* const*>(it.pages), it.num_pages);
+      if (p.has_value()) {
+        table_plans_[i] = TablePlan{true, p->offset, p->upload_from};
+      } else {
+        placed_all = false;
+      }
+    }
+    if (placed_all) return absl::OkStatus();
+    // Full: forget every table and place the batch again (it fits: need <=
+    // capacity), uploading each of its tables whole.
+    tables_.Clear();
+    table_plans_.assign(n, TablePlan{});
+    schedule_.page_tables_cleared = 1;
+  }
+  return absl::InternalError("page tables do not fit an emptied array");
 }
 
 absl::Status AttendLauncher::Launch(cudaStream_t stream) const {

@@ -1,12 +1,23 @@
 #include "server/cache/layer_cache.h"
 
 #include <algorithm>
+#include <atomic>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 
 namespace oscarkv {
+namespace {
+
+// Page table ids are unique in the process (AttendItem::page_table_id).
+uint64_t NextPageTableId() {
+  static std::atomic<uint64_t> next{1};
+  return next.fetch_add(1, std::memory_order_relaxed);
+}
+
+}  // namespace
+
 namespace {
 
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
@@ -126,10 +137,12 @@ namespace {
 class AppendVisitor {
  public:
   AppendVisitor(LayerCache& cache, std::vector<SlotId>& sink, std::deque<SlotId>& recent,
-                std::vector<SlotId>& pages, const bf16_bits* k, const bf16_bits* v,
+                std::vector<SlotId>& pages, std::vector<const uint8_t*>& page_ptrs,
+                uint64_t& table_id, const bf16_bits* k, const bf16_bits* v,
                 const LayerCodec& codec, PagePool& pool, Reservation& res, Backend& backend)
-      : geom_(cache.geometry()), sink_(sink), recent_(recent), pages_(pages), k_(k), v_(v),
-        codec_(codec), pool_(pool), res_(res), backend_(backend) {}
+      : geom_(cache.geometry()), sink_(sink), recent_(recent), pages_(pages),
+        page_ptrs_(page_ptrs), table_id_(table_id), k_(k), v_(v), codec_(codec), pool_(pool),
+        res_(res), backend_(backend) {}
 
   absl::Status NewSinkBlock() {
     sink_.push_back(res_.TakeBlock());
@@ -151,8 +164,10 @@ class AppendVisitor {
       EncodeJob job;
       job.src_block = pool_.block(recent_[i]);
       const SlotId page = res_.TakePage();
+      if (pages_.empty()) table_id_ = NextPageTableId();
       pages_.push_back(page);
       job.dst_page = pool_.page(page);
+      page_ptrs_.push_back(job.dst_page);
       job.rotation = codec_.rotation;
       job.clip_k = codec_.clip_k;
       job.clip_v = codec_.clip_v;
@@ -184,6 +199,8 @@ class AppendVisitor {
   std::vector<SlotId>& sink_;
   std::deque<SlotId>& recent_;
   std::vector<SlotId>& pages_;
+  std::vector<const uint8_t*>& page_ptrs_;
+  uint64_t& table_id_;
   const bf16_bits* k_;
   const bf16_bits* v_;
   const LayerCodec& codec_;
@@ -215,8 +232,8 @@ absl::Status LayerCache::Append(const bf16_bits* k, const bf16_bits* v, int64_t 
         reservation.blocks_left()));
   }
   Cursor c = CursorOf(tiers_, tokens_);
-  AppendVisitor visitor(*this, sink_blocks_, recent_blocks_, pages_, k, v, codec, pool,
-                        reservation, backend);
+  AppendVisitor visitor(*this, sink_blocks_, recent_blocks_, pages_, page_ptrs_, page_table_id_,
+                        k, v, codec, pool, reservation, backend);
   const absl::Status s = Walk(tiers_, c, n, visitor);
   tokens_ = c.tokens;
   if (demotions) *demotions += visitor.demotions;
@@ -229,6 +246,8 @@ void LayerCache::Release(PagePool& pool) {
   std::vector<SlotId> recent(recent_blocks_.begin(), recent_blocks_.end());
   pool.FreeBlocks(recent.data(), recent.size());
   pages_.clear();
+  page_ptrs_.clear();
+  page_table_id_ = 0;
   sink_blocks_.clear();
   recent_blocks_.clear();
   tokens_ = 0;
@@ -236,10 +255,14 @@ void LayerCache::Release(PagePool& pool) {
 
 void LayerCache::AttendRefs(const PagePool& pool, std::vector<ExactBlockRef>* exact,
                             std::vector<const uint8_t*>* pages) const {
+  ExactRefs(pool, exact);
+  *pages = page_ptrs_;
+}
+
+void LayerCache::ExactRefs(const PagePool& pool, std::vector<ExactBlockRef>* exact) const {
   const TierCounts tc = counts();
   const int p = geom_.page_tokens;
   exact->clear();
-  pages->clear();
   int64_t left = tc.sink;
   for (SlotId b : sink_blocks_) {
     const int n = static_cast<int>(std::min<int64_t>(left, p));
@@ -252,8 +275,6 @@ void LayerCache::AttendRefs(const PagePool& pool, std::vector<ExactBlockRef>* ex
     exact->push_back(ExactBlockRef{pool.block(b), n});
     left -= n;
   }
-  pages->resize(pages_.size());
-  for (size_t i = 0; i < pages_.size(); ++i) (*pages)[i] = pool.page(pages_[i]);
 }
 
 namespace {

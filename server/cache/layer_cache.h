@@ -80,6 +80,15 @@ class LayerCache {
   // Device pointers for attention, in token order.
   void AttendRefs(const PagePool& pool, std::vector<ExactBlockRef>* exact,
                   std::vector<const uint8_t*>* pages) const;
+  // The sink and recent blocks of AttendRefs alone.
+  void ExactRefs(const PagePool& pool, std::vector<ExactBlockRef>* exact) const;
+  // The history pages' device pointers in token order, kept as pages are
+  // added (no per-call work); valid until the next Append or Release.
+  const std::vector<const uint8_t*>& page_pointers() const { return page_ptrs_; }
+  // The id of that table for AttendItem::page_table_id: taken with the
+  // table's first page, unique in the process, dropped by Release. 0 while
+  // there are no pages.
+  uint64_t page_table_id() const { return page_table_id_; }
 
   // Reads all tokens back as host BF16 [T][H][D]: sink and recent bit-exact,
   // history decoded (dequantized, un-rotated). `scratch` is backend memory of
@@ -106,6 +115,8 @@ class LayerCache {
   int64_t tokens_ = 0;
   std::vector<SlotId> sink_blocks_;
   std::vector<SlotId> pages_;
+  std::vector<const uint8_t*> page_ptrs_;  // pool.page(pages_[i])
+  uint64_t page_table_id_ = 0;
   std::deque<SlotId> recent_blocks_;
 };
 

@@ -70,7 +70,8 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
   // Fused appends in item order (pass 1), then the device references of each item (pass 2).
   struct Refs {
     std::vector<ExactBlockRef> exact;
-    std::vector<const uint8_t*> pages;
+    const std::vector<const uint8_t*>* pages = nullptr;  // the layer's own table
+    uint64_t page_table_id = 0;
   };
   std::vector<Refs> refs(tasks.size());
   for (size_t i = 0; i < tasks.size(); ++i) {
@@ -111,7 +112,9 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     t.status = [&]() -> absl::Status {
       OSCARKV_RETURN_IF_ERROR(seq.Usable());
       const LayerCache& cache = seq.layers_[t.layer];
-      cache.AttendRefs(*pool_, &refs[i].exact, &refs[i].pages);
+      cache.ExactRefs(*pool_, &refs[i].exact);
+      refs[i].pages = &cache.page_pointers();
+      refs[i].page_table_id = cache.page_table_id();
       t.tokens = cache.tokens();
       return absl::OkStatus();
     }();
@@ -136,8 +139,9 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
       item.rotation = m->codecs[tasks[i].layer].rotation;
       item.exact = refs[i].exact.data();
       item.num_exact = static_cast<int>(refs[i].exact.size());
-      item.pages = refs[i].pages.data();
-      item.num_pages = static_cast<int>(refs[i].pages.size());
+      item.pages = refs[i].pages->data();
+      item.num_pages = static_cast<int>(refs[i].pages->size());
+      item.page_table_id = refs[i].page_table_id;
       items.push_back(item);
       which.push_back(i);
     }

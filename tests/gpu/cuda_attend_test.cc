@@ -17,6 +17,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/attend_kernels.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/quantize.h"
 #include "kernels/reference.h"
@@ -404,6 +405,149 @@ TEST(CudaAttendBatches, GrowingBatchWithAnItemWithoutLseMatchesTheCpu) {
             std::string::npos)
       << st;
   for (float x : out_gpu) ASSERT_EQ(x, 7.0f);
+}
+
+// Named page tables (AttendItem::page_table_id) live on the device between
+// calls: each call uploads only what is new, and every call's answers equal
+// the CPU backend's on the same pages. Outputs poisoned before each call.
+TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  const PageGeometry geom{2, 128, 128, 32};
+  const int Hq = 8, D = 128, kPool = 400;
+  const float scale = 1.0f / std::sqrt(float(D));
+  const size_t block_elems = geom.exact_block_bytes() / 2;
+  std::mt19937_64 rng(91);
+  std::vector<float> rot(2 * size_t(D) * D);
+  for (int m = 0; m < 2; ++m) {
+    const auto r = RandomOrthogonal(D, rng);
+    std::memcpy(&rot[size_t(m) * D * D], r.data(), r.size() * 4);
+  }
+  const RotationRef rot_host{rot.data(), rot.data() + size_t(D) * D, 0};
+  auto rot_dev = Upload(*gpu, rot);
+  ASSERT_TRUE(rot_dev.ok());
+  const RotationRef rot_gpu{rot_dev->as<float>(), rot_dev->as<float>() + size_t(D) * D, 0};
+  // A pool of encoded pages, on the host and on the device.
+  std::vector<bf16_bits> staging = RandomKvRows(size_t(kPool) * block_elems / D, D, rng);
+  std::vector<uint8_t> pages_host(size_t(kPool) * geom.page_bytes());
+  CpuBackend cpu(2);
+  {
+    std::vector<EncodeJob> jobs(kPool);
+    for (int p = 0; p < kPool; ++p) {
+      jobs[p] = EncodeJob{&staging[p * block_elems], &pages_host[p * geom.page_bytes()], rot_host,
+                          0.96f, 0.92f};
+    }
+    ASSERT_TRUE(cpu.EncodePages(geom, jobs.data(), kPool).ok());
+  }
+  auto pages_dev = Upload(*gpu, pages_host);
+  ASSERT_TRUE(pages_dev.ok());
+  auto launcher = AttendLauncher::Create(0);
+  ASSERT_TRUE(launcher.ok()) << launcher.status();
+  AttendLauncher& L = **launcher;
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+
+  // Tables: (id, page indices into the pool); id 0 = unnamed.
+  struct Table {
+    uint64_t id;
+    std::vector<int> pages;
+  };
+  std::vector<Table> tables;
+  auto random_pages = [&](int n) {
+    std::vector<int> v(n);
+    for (int& x : v) x = static_cast<int>(rng() % kPool);
+    return v;
+  };
+  auto grow = [&](Table& t, int n) {
+    for (int x : random_pages(n)) t.pages.push_back(x);
+  };
+  // Runs the tables as one batch on both backends; returns pages uploaded.
+  auto run = [&](const char* what) -> long {
+    const int n = static_cast<int>(tables.size());
+    std::vector<std::vector<float>> q(n, std::vector<float>(Hq * D));
+    std::normal_distribution<float> nd(0.0f, 1.5f);
+    for (auto& v : q) for (float& x : v) x = nd(rng);
+    std::vector<std::vector<const uint8_t*>> pc(n), pg(n);
+    const float kNaN = std::numeric_limits<float>::quiet_NaN();
+    std::vector<float> out_cpu(n * Hq * D), lse_cpu(n * Hq), out_gpu(n * Hq * D, kNaN),
+        lse_gpu(n * Hq, kNaN);
+    std::vector<AttendItem> ic(n), ig(n);
+    for (int i = 0; i < n; ++i) {
+      for (int p : tables[i].pages) {
+        pc[i].push_back(&pages_host[p * geom.page_bytes()]);
+        pg[i].push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
+      }
+      const int np = static_cast<int>(tables[i].pages.size());
+      ic[i] = AttendItem{q[i].data(), &out_cpu[i * Hq * D], &lse_cpu[i * Hq], rot_host,
+                         nullptr, 0, pc[i].data(), np};
+      ig[i] = AttendItem{q[i].data(), &out_gpu[i * Hq * D], &lse_gpu[i * Hq], rot_gpu,
+                         nullptr, 0, pg[i].data(), np};
+      ig[i].page_table_id = tables[i].id;
+    }
+    EXPECT_TRUE(cpu.Attend(AttendBatch{geom, Hq, scale, ic.data(), n}).ok());
+    const AttendBatch batch{geom, Hq, scale, ig.data(), n};
+    absl::Status st = L.Prepare(batch, stream);
+    if (st.ok()) st = L.Launch(stream);
+    EXPECT_TRUE(st.ok()) << what << ": " << st;
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    L.CopyResults(batch);
+    int bad = 0;
+    for (int e = 0; e < n * Hq * D && bad < 5; ++e) {
+      if (!(std::fabs(out_gpu[e] - out_cpu[e]) <= 1e-4f * (1.0f + std::fabs(out_cpu[e])))) {
+        ADD_FAILURE() << what << ": item " << e / (Hq * D) << " element " << e % (Hq * D)
+                      << " gpu " << out_gpu[e] << " cpu " << out_cpu[e];
+        ++bad;
+      }
+    }
+    for (int e = 0; e < n * Hq; ++e) {
+      EXPECT_NEAR(lse_gpu[e], lse_cpu[e], 1e-4f * (1.0f + std::fabs(lse_cpu[e]))) << what;
+    }
+    return L.schedule().pages_uploaded;
+  };
+
+  tables = {{101, random_pages(40)}, {102, random_pages(100)}, {103, random_pages(7)}};
+  EXPECT_EQ(run("first call"), 147) << "new tables: whole";
+  EXPECT_EQ(run("same tables"), 0) << "known tables: nothing";
+  grow(tables[0], 1);
+  grow(tables[2], 60);  // 67 pages: past its 64-entry run
+  EXPECT_EQ(run("grown"), 1 + 67) << "one new page; a moved table whole";
+  tables[1].pages.back() = (tables[1].pages.back() + 1) % kPool;
+  EXPECT_EQ(run("changed last page"), 100) << "a changed table is noticed and uploaded whole";
+  tables.push_back({0, random_pages(30)});
+  EXPECT_EQ(run("with an unnamed table"), 30) << "unnamed: whole, every call";
+  EXPECT_EQ(L.schedule().page_tables_cleared, 0);
+  tables.pop_back();
+  // A small array (reallocated: everything uploaded again) that fills up.
+  L.set_page_table_entries(640);
+  EXPECT_EQ(run("new array"), 41 + 100 + 67);
+  tables.push_back({104, random_pages(150)});  // runs 64 + 128 + 128 + 256 = 576 of 640
+  EXPECT_EQ(run("fourth table"), 150);
+  EXPECT_EQ(L.schedule().page_tables_cleared, 0);
+  tables.back() = {105, random_pages(150)};  // 256 more: full
+  EXPECT_EQ(run("array full"), 41 + 100 + 67 + 150) << "cleared, then all whole";
+  EXPECT_EQ(L.schedule().page_tables_cleared, 1);
+  EXPECT_EQ(run("after the clear"), 0);
+  // Larger than the whole array: uploaded with the call, still right.
+  L.set_page_table_entries(128);
+  EXPECT_EQ(run("array too small"), 41 + 100 + 67 + 150);
+  EXPECT_EQ(run("array too small, again"), 41 + 100 + 67 + 150);
+  // A bad page pointer in a named table's new entries is refused by index,
+  // and forgets what the failed call would have uploaded.
+  L.set_page_table_entries(0);
+  EXPECT_EQ(run("automatic size"), 41 + 100 + 67 + 150);
+  {
+    std::vector<const uint8_t*> pg;
+    for (int p : tables[0].pages) pg.push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
+    pg.push_back(nullptr);
+    std::vector<float> q(Hq * D, 0.5f), out(Hq * D);
+    AttendItem item{q.data(), out.data(), nullptr, rot_gpu, nullptr, 0, pg.data(),
+                    static_cast<int>(pg.size())};
+    item.page_table_id = tables[0].id;
+    const absl::Status st = L.Prepare(AttendBatch{geom, Hq, scale, &item, 1}, stream);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("page 41 is null or not 8-byte aligned"), std::string::npos) << st;
+  }
+  EXPECT_EQ(run("after a refused call"), 41 + 100 + 67 + 150) << "forgotten: whole again";
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
 TEST(CudaAttendLimits, NullOrMisalignedPageIsRefusedByIndex) {

@@ -189,6 +189,55 @@ TEST(LayerCache, PlanMatchesWhatAppendTakes) {
   EXPECT_EQ(f.pool->total_blocks() - f.pool->free_blocks(), c.sink_blocks + c.recent_blocks);
 }
 
+// The store hands the backends the layer's own page table and its id
+// (AttendItem::page_table_id): the table only grows while the id lives.
+TEST(LayerCache, PageTableGrowsAtTheEndUnderOneIdAndReleaseDropsTheId) {
+  CacheFixture f(kHeads, kDim, kGroup, kTiers);
+  const size_t row = f.geom.exact_row_elems();
+  const auto k = testing::RandomBf16(300 * row, 7, kDim), v = testing::RandomBf16(300 * row, 8, kDim);
+  auto pointers_of = [&](const LayerCache& l) {
+    std::vector<const uint8_t*> p;
+    for (SlotId id : l.history_pages()) p.push_back(f.pool->page(id));
+    return p;
+  };
+  LayerCache a = f.NewLayer(), b = f.NewLayer();
+  ASSERT_TRUE(f.Append(a, k.data(), v.data(), 20).ok());
+  EXPECT_EQ(a.page_table_id(), 0u) << "no pages yet";
+  EXPECT_TRUE(a.page_pointers().empty());
+  int64_t at = 20;
+  uint64_t id = 0;
+  std::vector<const uint8_t*> before;
+  for (int64_t n : {1, 7, 1, 60, 1, 1, 33}) {
+    ASSERT_TRUE(f.Append(a, &k[at * row], &v[at * row], n).ok());
+    at += n;
+    EXPECT_EQ(a.page_pointers(), pointers_of(a));
+    if (a.page_pointers().empty()) continue;
+    if (id == 0) id = a.page_table_id();
+    EXPECT_NE(id, 0u);
+    EXPECT_EQ(a.page_table_id(), id) << "same table, same id";
+    ASSERT_GE(a.page_pointers().size(), before.size());
+    EXPECT_TRUE(std::equal(before.begin(), before.end(), a.page_pointers().begin()))
+        << "only grows at the end";
+    before = a.page_pointers();
+  }
+  ASSERT_GT(before.size(), 3u);
+  std::vector<ExactBlockRef> exact;
+  std::vector<const uint8_t*> pages;
+  a.AttendRefs(*f.pool, &exact, &pages);
+  EXPECT_EQ(pages, a.page_pointers());
+  ASSERT_TRUE(f.Append(b, k.data(), v.data(), 100).ok());
+  EXPECT_NE(b.page_table_id(), 0u);
+  EXPECT_NE(b.page_table_id(), id) << "another layer, another id";
+  a.Release(*f.pool);
+  EXPECT_EQ(a.page_table_id(), 0u);
+  EXPECT_TRUE(a.page_pointers().empty());
+  ASSERT_TRUE(f.Append(a, k.data(), v.data(), 100).ok());
+  EXPECT_NE(a.page_table_id(), 0u);
+  EXPECT_NE(a.page_table_id(), id) << "a rebuilt table never reuses an id";
+  EXPECT_NE(a.page_table_id(), b.page_table_id());
+  EXPECT_EQ(a.page_pointers(), pointers_of(a));
+}
+
 TEST(PagePool, ReservationIsAllOrNothing) {
   CacheFixture f(kHeads, kDim, kGroup, kTiers, 1 << 20);
   const int pages = f.pool->total_pages(), blocks = f.pool->total_blocks();
