@@ -55,10 +55,13 @@ class AttendLauncher {
 
   // Checks the batch (queries included: INVALID_ARGUMENT for a non-finite
   // value), plans the work units, grows its buffers if needed (rarely: they
-  // keep the largest size seen; growing the results buffer or the workspace
-  // waits for the device) and enqueues one upload of the queries, page tables and schedule
-  // from pinned staging memory on `stream`. The batch's host arrays and
-  // queries are read during the call only. Waits for the previous upload
+  // keep the largest size seen; growing the results buffer, the workspace or
+  // the page-table array waits for the device) and enqueues one upload of
+  // the queries, unnamed page tables and schedule from pinned staging memory
+  // on `stream`. Named page tables (AttendItem::page_table_id) stay on the
+  // device: only their new pages are copied, ordered on `stream` after
+  // earlier launches (use one stream per launcher). The batch's host arrays
+  // and queries are read during the call only. Waits for the previous upload
   // from the staging buffer to finish before reusing it. After a failed
   // Prepare, Launch answers FAILED_PRECONDITION until one succeeds.
   absl::Status Prepare(const AttendBatch& batch, cudaStream_t stream);

@@ -1,7 +1,8 @@
 // Host side of the CUDA decode attention: checks a batch, cuts it into work
 // units (exact blocks, then history page ranges sized so that the split kernel
 // runs in one wave), uploads the queries, page tables and schedule in one copy
-// from pinned memory, and launches; the merge kernel writes the outputs
+// from pinned memory (named page tables live on the device: only their new
+// pages are copied), and launches; the merge kernel writes the outputs
 // straight into mapped pinned memory (no download copy).
 #include <algorithm>
 #include <cmath>
