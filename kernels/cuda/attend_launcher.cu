@@ -160,7 +160,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   // upload's page table. Until this Prepare succeeds, the cache's record of
   // what is on the device is ahead of the copies: forget it on any failure.
   schedule_.page_tables_cleared = 0;
-  OSCARKV_RETURN_IF_ERROR(PlacePageTables(b));
   bool tables_committed = false;
   struct ForgetTablesUnlessCommitted {
     bool& committed;
@@ -169,6 +168,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       if (!committed) tables.Clear();
     }
   } forget_tables{tables_committed, tables_};
+  OSCARKV_RETURN_IF_ERROR(PlacePageTables(b));
   long table_pages = 0, new_entries = 0;
   for (int i = 0; i < n; ++i) {
     const TablePlan& tp = table_plans_[i];
