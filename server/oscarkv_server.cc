@@ -1,8 +1,13 @@
 #include "server/oscarkv_server.h"
 
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
 #include <algorithm>
 #include <cctype>
 #include <cstdlib>
+#include <cstring>
 
 #include "absl/strings/numbers.h"
 #include "absl/strings/match.h"
@@ -20,6 +25,31 @@
 #endif
 
 namespace oscarkv {
+namespace {
+
+// "unix:PATH" / "unix://PATH" (a socket file) or "unix-abstract:NAME".
+bool IsUnixSocketAddress(const std::string& address) {
+  return absl::StartsWith(address, "unix:") || absl::StartsWith(address, "unix-abstract:");
+}
+
+// True if a server accepts connections on the socket file of a "unix:"
+// address. (An abstract name cannot be bound twice: gRPC reports that one.)
+bool UnixSocketAnswers(const std::string& address) {
+  if (!absl::StartsWith(address, "unix:")) return false;
+  std::string path = address.substr(5);
+  if (absl::StartsWith(path, "//")) path = path.substr(2);
+  sockaddr_un addr{};
+  addr.sun_family = AF_UNIX;
+  if (path.empty() || path.size() >= sizeof(addr.sun_path)) return false;
+  std::memcpy(addr.sun_path, path.c_str(), path.size() + 1);
+  const int fd = ::socket(AF_UNIX, SOCK_STREAM, 0);
+  if (fd < 0) return false;
+  const bool answers = ::connect(fd, reinterpret_cast<const sockaddr*>(&addr), sizeof(addr)) == 0;
+  ::close(fd);
+  return answers;
+}
+
+}  // namespace
 
 absl::StatusOr<std::unique_ptr<Backend>> CreateBackend(const std::string& kind, int cpu_threads,
                                                        int cuda_device) {
@@ -207,6 +237,12 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   ctx.version = options.version;
   s->service_ = std::make_unique<KvCacheService>(std::move(ctx));
 
+  const bool unix_socket = IsUnixSocketAddress(options.listen_address);
+  if (unix_socket && UnixSocketAnswers(options.listen_address)) {
+    // gRPC would unlink the socket file and take the address over silently.
+    return absl::UnavailableError(absl::StrCat("cannot listen on ", options.listen_address,
+                                               ": another server answers there (in use)"));
+  }
   grpc::EnableDefaultHealthCheckService(true);
   grpc::reflection::InitProtoReflectionServerBuilderPlugin();
   grpc::ServerBuilder builder;
@@ -220,8 +256,8 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
     return absl::UnavailableError(
         absl::StrCat("cannot listen on ", options.listen_address, " (in use or invalid)"));
   }
-  if (absl::StartsWith(options.listen_address, "unix:")) {
-    // gRPC reports a placeholder port for a socket path; there is none.
+  if (unix_socket) {
+    // gRPC reports a placeholder port for a socket; there is none.
     s->unix_socket_ = options.listen_address;
     s->port_ = 0;
   }

@@ -42,7 +42,8 @@ struct AttendSchedule {
   // Page pointers copied to the device by this call: every page of an item
   // without a page_table_id, only the new pages of a known table.
   long pages_uploaded = 0;
-  int page_tables_cleared = 0;  // 1 if the device page-table array was cleared (full)
+  int page_tables_cleared = 0;  // 1 if the device page-table array was emptied (full)
+  int page_tables_grown = 0;    // 1 if it was replaced by a larger one (full)
 };
 
 class AttendLauncher {
@@ -111,12 +112,18 @@ class AttendLauncher {
   void set_ablate(int bits) { ablate_ = bits; }
 
   // Entries (page pointers) of the device array that holds the copies of
-  // named page tables (AttendItem::page_table_id; see page_table_cache.h).
-  // 0, the default: it starts at 256 K entries (2 MiB) and doubles whenever
-  // one batch's tables need more than half of it. Tests set small sizes to
-  // make it fill up. Takes effect at the next Prepare() (which then waits for
-  // the device).
-  void set_page_table_entries(size_t entries) { page_table_entries_ = entries; }
+  // named page tables (AttendItem::page_table_id; see page_table_cache.h):
+  // it starts at `initial` (at least twice the first batch's need) and, when
+  // full, doubles up to `max` while the tables in use fill more than half of
+  // it (else it is emptied). Batches needing more than `max` copy their
+  // tables with the call. Defaults: 256 K entries (2 MiB), at most 32 M
+  // (256 MiB). Tests set small sizes. Takes effect at the next Prepare()
+  // (which then waits for the device).
+  void set_page_table_entries(size_t initial, size_t max) {
+    page_table_initial_ = initial;
+    page_table_max_ = max;
+    table_sizes_changed_ = true;
+  }
 
  private:
   AttendLauncher(int device, int num_sms);
@@ -124,6 +131,8 @@ class AttendLauncher {
   // Fills table_plans_ for batch b: where each named page table lives in
   // page_tables_ and what it uploads (grows the array if needed).
   absl::Status PlacePageTables(const AttendBatch& b);
+  // A new, empty array of `entries` (waits for the device first).
+  absl::Status ResizePageTables(size_t entries);
 
   int device_;
   int num_sms_;
@@ -144,7 +153,9 @@ class AttendLauncher {
   cudaEvent_t upload_done_ = nullptr;
   // Device copies of named page tables (tables_ says where each one lives).
   const uint8_t** page_tables_ = nullptr;
-  size_t page_table_entries_ = 0;  // requested size; 0 = automatic
+  size_t page_table_initial_ = size_t(1) << 18;
+  size_t page_table_max_ = size_t(1) << 25;
+  bool table_sizes_changed_ = false;
   cuda_attend::PageTableCache tables_;
   struct TablePlan {
     bool named = false;  // in page_tables_; else in the upload's page table

@@ -160,6 +160,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   // upload's page table. Until this Prepare succeeds, the cache's record of
   // what is on the device is ahead of the copies: forget it on any failure.
   schedule_.page_tables_cleared = 0;
+  schedule_.page_tables_grown = 0;
   bool tables_committed = false;
   struct ForgetTablesUnlessCommitted {
     bool& committed;
@@ -317,6 +318,22 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   return absl::OkStatus();
 }
 
+absl::Status AttendLauncher::ResizePageTables(size_t entries) {
+  if (page_tables_ != nullptr) {
+    // Kernels of earlier launches may still read the old array.
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaFree(page_tables_));
+    page_tables_ = nullptr;
+  }
+  tables_.Reset(0);
+  void* mem = nullptr;
+  OSCARKV_CUDA_ALLOC_OR_RETURN(mem, cudaMalloc(&mem, sizeof(void*) * entries),
+                               "cudaMalloc (attention page tables)");
+  page_tables_ = static_cast<const uint8_t**>(mem);
+  tables_.Reset(entries);
+  return absl::OkStatus();
+}
+
 absl::Status AttendLauncher::PlacePageTables(const AttendBatch& b) {
   using cuda_attend::PageTableCache;
   const int n = b.num_items;
@@ -327,29 +344,16 @@ absl::Status AttendLauncher::PlacePageTables(const AttendBatch& b) {
     if (it.page_table_id != 0 && it.num_pages > 0) need += PageTableCache::CapacityFor(it.num_pages);
   }
   if (need == 0) return absl::OkStatus();
-  // The array's size: as requested, else at least 256 K entries and twice
-  // what this batch needs.
-  size_t want = page_table_entries_;
-  if (want == 0) {
-    want = std::max<size_t>(tables_.capacity(), size_t(1) << 18);
-    while (want < 2 * need) want *= 2;
+  // Too big for the largest array allowed: uploaded with the call.
+  if (need > page_table_max_) return absl::OkStatus();
+  // The first array, or a new one after set_page_table_entries: the initial
+  // size, and at least twice what this batch needs.
+  if (page_tables_ == nullptr || table_sizes_changed_) {
+    size_t want = std::max<size_t>(page_table_initial_, PageTableCache::kMinEntries);
+    while (want < 2 * need && want < page_table_max_) want *= 2;
+    OSCARKV_RETURN_IF_ERROR(ResizePageTables(std::min(want, page_table_max_)));
+    table_sizes_changed_ = false;
   }
-  if (page_tables_ == nullptr || want != tables_.capacity()) {
-    if (page_tables_ != nullptr) {
-      // Kernels of earlier launches may still read the old array.
-      OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-      OSCARKV_CUDA_RETURN_IF_ERROR(cudaFree(page_tables_));
-      page_tables_ = nullptr;
-    }
-    tables_.Reset(0);
-    void* mem = nullptr;
-    OSCARKV_CUDA_ALLOC_OR_RETURN(mem, cudaMalloc(&mem, sizeof(void*) * want),
-                                 "cudaMalloc (attention page tables)");
-    page_tables_ = static_cast<const uint8_t**>(mem);
-    tables_.Reset(want);
-  }
-  // Too big for the array (only with a requested size): uploaded in full.
-  if (need > tables_.capacity()) return absl::OkStatus();
   for (int attempt = 0; attempt < 2; ++attempt) {
     bool placed_all = true;
     for (int i = 0; i < n && placed_all; ++i) {
@@ -364,11 +368,18 @@ absl::Status AttendLauncher::PlacePageTables(const AttendBatch& b) {
       }
     }
     if (placed_all) return absl::OkStatus();
-    // Full: forget every table and place the batch again (it fits: need <=
-    // capacity), uploading each of its tables whole.
-    tables_.Clear();
+    // Full: a larger array if the tables in use need one (every layer of
+    // every sequence decoded has its own), else this one emptied; then the
+    // batch is placed again (it fits: need <= capacity), its tables whole.
+    const size_t grown = tables_.CapacityWhenFull(need, page_table_max_);
+    if (grown > tables_.capacity()) {
+      OSCARKV_RETURN_IF_ERROR(ResizePageTables(grown));
+      schedule_.page_tables_grown = 1;
+    } else {
+      tables_.Clear();
+      schedule_.page_tables_cleared = 1;
+    }
     table_plans_.assign(n, TablePlan{});
-    schedule_.page_tables_cleared = 1;
   }
   return absl::InternalError("page tables do not fit an emptied array");
 }

@@ -36,13 +36,26 @@ std::optional<PageTableCache::Placement> PageTableCache::Place(uint64_t id,
   t.count = num_pages;
   t.last = last;
   used_ += need;
-  tables_[id] = t;
+  live_ += need;
+  if (it != tables_.end()) {
+    live_ -= it->second.capacity;  // its old run is abandoned
+    it->second = t;
+  } else {
+    tables_.emplace(id, t);
+  }
   return Placement{t.offset, 0};
+}
+
+size_t PageTableCache::CapacityWhenFull(size_t need, size_t max_entries) const {
+  size_t c = std::max(capacity_, kMinEntries);
+  while (2 * (live_ + need) > c && c < max_entries) c = std::min(2 * c, max_entries);
+  return std::max(c, capacity_);
 }
 
 void PageTableCache::Clear() {
   tables_.clear();
   used_ = 0;
+  live_ = 0;
 }
 
 void PageTableCache::Reset(size_t capacity_entries) {

@@ -10,9 +10,12 @@
 // Placement: each table gets a run of `capacity` entries (a power of two, at
 // least kMinEntries) from a bump allocator. A table that outgrows its run
 // moves to a new one (uploaded whole; the old run is abandoned). When the
-// array is full the caller clears everything and places the batch again:
-// every table is then uploaded whole once. This is a cache: forgetting is
-// always correct.
+// array is full the caller takes a new array of CapacityWhenFull entries (or
+// clears this one) and places the batch again: every table is then uploaded
+// whole once. This is a cache: forgetting is always correct. The array must
+// hold the tables of every layer of every sequence being decoded (the store
+// calls once per layer), so it grows to fit them rather than being cleared
+// on every round of layers.
 //
 // Not thread-safe (the launcher's caller serializes calls).
 #ifndef OSCARKV_KERNELS_CUDA_PAGE_TABLE_CACHE_H_
@@ -55,8 +58,17 @@ class PageTableCache {
   // Entries a table of `num_pages` pages takes in the array.
   static size_t CapacityFor(int num_pages);
 
+  // The array size to continue with once placing a batch that needs `need`
+  // entries failed: twice the size (repeatedly, up to `max_entries`) while
+  // the known tables and the batch would fill more than half of it, so that
+  // a working set larger than the array stops emptying it over and over;
+  // else the same size, cleared (that drops runs abandoned by moved tables
+  // and tables no longer used).
+  size_t CapacityWhenFull(size_t need, size_t max_entries) const;
+
   size_t capacity() const { return capacity_; }
   size_t used() const { return used_; }
+  size_t live() const { return live_; }  // entries in the runs of known tables
   size_t tables() const { return tables_.size(); }
 
  private:
@@ -68,6 +80,7 @@ class PageTableCache {
   };
   size_t capacity_;
   size_t used_ = 0;
+  size_t live_ = 0;
   std::unordered_map<uint64_t, Table> tables_;
 };
 

@@ -16,10 +16,6 @@ uint64_t NextPageTableId() {
   return next.fetch_add(1, std::memory_order_relaxed);
 }
 
-}  // namespace
-
-namespace {
-
 int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 // Tier state as counts; the walk below moves it forward token run by token run.

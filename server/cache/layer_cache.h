@@ -86,8 +86,8 @@ class LayerCache {
   // added (no per-call work); valid until the next Append or Release.
   const std::vector<const uint8_t*>& page_pointers() const { return page_ptrs_; }
   // The id of that table for AttendItem::page_table_id: taken with the
-  // table's first page, unique in the process, dropped by Release. 0 while
-  // there are no pages.
+  // table's first page, unique in the process, dropped by Release (0 then).
+  // Meaningful only while there are pages.
   uint64_t page_table_id() const { return page_table_id_; }
 
   // Reads all tokens back as host BF16 [T][H][D]: sink and recent bit-exact,

@@ -516,8 +516,9 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
   EXPECT_EQ(run("with an unnamed table"), 30) << "unnamed: whole, every call";
   EXPECT_EQ(L.schedule().page_tables_cleared, 0);
   tables.pop_back();
-  // A small array (reallocated: everything uploaded again) that fills up.
-  L.set_page_table_entries(640);
+  // A small array that may not grow (reallocated: everything uploaded
+  // again) and fills up.
+  L.set_page_table_entries(640, 640);
   EXPECT_EQ(run("new array"), 41 + 100 + 67);
   tables.push_back({104, random_pages(150)});  // runs 64 + 128 + 128 + 256 = 576 of 640
   EXPECT_EQ(run("fourth table"), 150);
@@ -526,14 +527,14 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
   EXPECT_EQ(run("array full"), 41 + 100 + 67 + 150) << "cleared, then all whole";
   EXPECT_EQ(L.schedule().page_tables_cleared, 1);
   EXPECT_EQ(run("after the clear"), 0);
-  // Larger than the whole array: uploaded with the call, still right.
-  L.set_page_table_entries(128);
+  // Larger than the largest array allowed: uploaded with the call, still right.
+  L.set_page_table_entries(128, 128);
   EXPECT_EQ(run("array too small"), 41 + 100 + 67 + 150);
   EXPECT_EQ(run("array too small, again"), 41 + 100 + 67 + 150);
   // A bad page pointer in a named table's new entries is refused by index,
   // and forgets what the failed call would have uploaded.
-  L.set_page_table_entries(0);
-  EXPECT_EQ(run("automatic size"), 41 + 100 + 67 + 150);
+  L.set_page_table_entries(size_t(1) << 18, size_t(1) << 25);  // the defaults
+  EXPECT_EQ(run("default sizes"), 41 + 100 + 67 + 150);
   {
     std::vector<const uint8_t*> pg;
     for (int p : tables[0].pages) pg.push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
@@ -547,6 +548,49 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
     EXPECT_NE(st.message().find("page 41 is null or not 8-byte aligned"), std::string::npos) << st;
   }
   EXPECT_EQ(run("after a refused call"), 41 + 100 + 67 + 150) << "forgotten: whole again";
+  // A refused query in another item, after table 101 got a new page in the
+  // same batch: nothing of the failed call is taken as uploaded.
+  grow(tables[0], 1);
+  {
+    std::vector<const uint8_t*> pg;
+    for (int p : tables[0].pages) pg.push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
+    std::vector<float> q0(Hq * D, 0.5f), q1(Hq * D, 0.5f), out(2 * Hq * D);
+    q1[3] = std::numeric_limits<float>::quiet_NaN();
+    AttendItem items[2] = {
+        AttendItem{q0.data(), out.data(), nullptr, rot_gpu, nullptr, 0, pg.data(),
+                   static_cast<int>(pg.size())},
+        AttendItem{q1.data(), out.data() + Hq * D, nullptr, rot_gpu}};
+    items[0].page_table_id = tables[0].id;
+    const absl::Status st = L.Prepare(AttendBatch{geom, Hq, scale, items, 2}, stream);
+    EXPECT_EQ(st.code(), absl::StatusCode::kInvalidArgument) << st;
+    EXPECT_NE(st.message().find("attention item 1"), std::string::npos) << st;
+  }
+  EXPECT_EQ(run("after a refused query"), 42 + 100 + 67 + 150) << "forgotten: whole again";
+  // One table twice in a batch: copied once.
+  tables = {{106, random_pages(90)}, {106, {}}};
+  tables[1].pages = tables[0].pages;
+  EXPECT_EQ(run("one table twice"), 90);
+  EXPECT_EQ(run("one table twice, again"), 0);
+  // Many layers: every layer of every sequence has its own table, and the
+  // store attends one layer per call. A small array grows to hold them all
+  // (forgetting what it held each time), so that from the third round of
+  // layers on nothing is copied.
+  L.set_page_table_entries(256, size_t(1) << 20);
+  std::vector<std::vector<Table>> layers;
+  for (int layer = 0; layer < 6; ++layer) {
+    layers.push_back({{uint64_t(1000 + 2 * layer), random_pages(100)},
+                      {uint64_t(1001 + 2 * layer), random_pages(90)}});
+  }
+  int grown = 0;
+  for (int round = 0; round < 3; ++round) {
+    for (size_t layer = 0; layer < layers.size(); ++layer) {
+      tables = layers[layer];
+      const long uploaded = run("layers");
+      grown += L.schedule().page_tables_grown;
+      if (round == 2) EXPECT_EQ(uploaded, 0) << "round " << round << " layer " << layer;
+    }
+  }
+  EXPECT_GT(grown, 0);
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 

@@ -408,10 +408,10 @@ int Main(int argc, char** argv) {
       long pages_uploaded = 0;  // by the last call
     };
     auto measure_calls = [&](bool named) {
+      // Ids are never reused (the AttendItem contract), across shapes too.
+      static uint64_t next_table_id = 1;
       for (int s = 0; s < sets; ++s) {
-        for (int b = 0; b < sh.batch; ++b) {
-          items[s][b].page_table_id = named ? uint64_t(s) * sh.batch + b + 1 : 0;
-        }
+        for (int b = 0; b < sh.batch; ++b) items[s][b].page_table_id = named ? next_table_id++ : 0;
       }
       CallTimes ct;
       std::vector<double> call;

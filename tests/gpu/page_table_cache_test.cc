@@ -97,5 +97,29 @@ TEST(PageTableCache, TablesGetDisjointRunsAndAFullArrayRefusesUntilCleared) {
   EXPECT_FALSE(c.Place(1, a.data(), 100).has_value()) << "larger than the whole array";
 }
 
+// The store attends one layer per call, so the tables in use are those of
+// every layer: an array that cannot hold them grows (doubling while they fill
+// more than half of it) instead of being emptied on every round of layers.
+TEST(PageTableCache, AFullArrayGrowsWhileTheTablesInUseFillMoreThanHalfOfIt) {
+  PageTableCache c(512);
+  const auto t = Table(100, 6);
+  ASSERT_TRUE(c.Place(1, t.data(), 100).has_value());  // 128
+  ASSERT_TRUE(c.Place(2, t.data(), 100).has_value());  // 256
+  EXPECT_EQ(c.live(), 256u);
+  // Known tables 256 + a batch of 256: 512 > 512 / 2: grow until they fill
+  // at most half.
+  EXPECT_EQ(c.CapacityWhenFull(256, 1 << 20), 1024u);
+  EXPECT_EQ(c.CapacityWhenFull(256, 600), 600u) << "capped";
+  EXPECT_EQ(c.CapacityWhenFull(256, 512), 512u) << "at the cap: emptied instead";
+  // A table that moves abandons its run: live counts only the new one.
+  ASSERT_TRUE(c.Place(2, t.data(), 10).has_value());  // shrank: new run of 64
+  EXPECT_EQ(c.live(), 128u + 64u);
+  EXPECT_EQ(c.used(), 128u + 128u + 64u);
+  // Mostly abandoned space and a small batch: emptied, not grown.
+  EXPECT_EQ(c.CapacityWhenFull(64, 1 << 20), 512u);
+  c.Clear();
+  EXPECT_EQ(c.live(), 0u);
+}
+
 }  // namespace
 }  // namespace oscarkv::cuda_attend

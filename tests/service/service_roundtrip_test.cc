@@ -128,6 +128,15 @@ TEST(Service, ServesOverAUnixDomainSocket) {
                     .Attend(*h, 1, q.data(), nullptr, nullptr, -1, out.data(), lse.data(), &n)
                     .ok());
     EXPECT_EQ((*remote)[0].out, out);
+    // A second server on the same socket is refused (gRPC alone would take
+    // the address over), and the first one keeps serving.
+    auto second = OscarkvServer::Start(o, nullptr);
+    ASSERT_FALSE(second.ok());
+    EXPECT_EQ(second.status().code(), absl::StatusCode::kUnavailable);
+    EXPECT_THAT(std::string(second.status().message()), HasSubstr("in use"));
+    auto again = ts.client->Attend({AttendQuery{"s", 1, q.data()}}, layout, true);
+    ASSERT_TRUE(again.ok()) << again.status();
+    EXPECT_EQ((*again)[0].out, out);
   }
   std::remove(path.c_str());
 }
