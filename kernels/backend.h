@@ -165,6 +165,15 @@ class Backend {
   virtual absl::Status CopyToHost(void* dst, const void* src, size_t bytes) = 0;
   virtual absl::Status CopyOnDevice(void* dst, const void* src, size_t bytes) = 0;
 
+  // Small CopyToDevice calls made by this thread between BeginCopyBatch and
+  // EndCopyBatch may be issued together (one driver call, the CUDA backend)
+  // at EndCopyBatch, or earlier when anything else is enqueued on the
+  // backend: the order with every other call is kept. A decode step's fused
+  // appends make two small copies per item. EndCopyBatch reports the error
+  // of issuing them, if any. Batches do not nest. Default: copies go at once.
+  virtual void BeginCopyBatch() {}
+  virtual absl::Status EndCopyBatch() { return absl::OkStatus(); }
+
   virtual absl::Status EncodePages(const PageGeometry& geom, const EncodeJob* jobs,
                                    int num_jobs) = 0;
   virtual absl::Status DecodePages(const PageGeometry& geom, const DecodeJob* jobs,

@@ -169,6 +169,9 @@ class AttendLauncher {
     int count;
   };
   std::vector<TableUpdate> table_updates_;
+  std::vector<void*> copy_dsts_;  // the call's copies (CopyBatchToDevice)
+  std::vector<const void*> copy_srcs_;
+  std::vector<size_t> copy_sizes_;
   // Resident blocks per SM of each split kernel used so far (by shape and variant).
   std::map<std::pair<int, int>, int> split_blocks_per_sm_;
 

@@ -15,6 +15,7 @@
 #include "kernels/cuda/attend_kernels.h"
 #include "kernels/cuda/attend_launch.h"
 #include "kernels/cuda/attend_schedule.h"
+#include "kernels/cuda/copy_batch.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/status_macros.h"
 
@@ -283,12 +284,17 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
   shape.wide_merge = max_splits > cuda_attend::kWarps * cuda_attend::MergeBatch(D, false);
   const int w = static_cast<int>(num_work);
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dev, host, upload, cudaMemcpyHostToDevice, stream));
+  // The upload and the new entries of named tables: one driver call.
+  copy_dsts_.assign(1, dev);
+  copy_srcs_.assign(1, host);
+  copy_sizes_.assign(1, upload);
   for (const TableUpdate& u : table_updates_) {
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(page_tables_ + u.entry, updates + u.staged,
-                                                 sizeof(void*) * u.count,
-                                                 cudaMemcpyHostToDevice, stream));
+    copy_dsts_.push_back(page_tables_ + u.entry);
+    copy_srcs_.push_back(updates + u.staged);
+    copy_sizes_.push_back(sizeof(void*) * u.count);
   }
+  OSCARKV_RETURN_IF_ERROR(CopyBatchToDevice(copy_dsts_.data(), copy_srcs_.data(),
+                                            copy_sizes_.data(), copy_dsts_.size(), stream));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_done_, stream));
   tables_committed = true;
 

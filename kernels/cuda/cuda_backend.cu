@@ -5,12 +5,14 @@
 #include <algorithm>
 #include <cstring>
 #include <mutex>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "absl/strings/str_format.h"
 #include "kernels/cpu/cpu_backend.h"
 #include "kernels/cuda/attend_kernels.h"
 #include "kernels/cuda/codec_kernels.h"
+#include "kernels/cuda/copy_batch.h"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/status_macros.h"
 
@@ -64,10 +66,12 @@ class PinnedRing {
   ~PinnedRing() {
     if (host_ != nullptr) cudaFreeHost(host_);
   }
-  // Enqueues dst <- src on `stream` and returns true (src may be reused
-  // then), or returns false for a copy larger than kMaxCopy or when the ring
-  // cannot be allocated: the caller copies directly.
-  absl::StatusOr<bool> Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream) {
+  // Stages src and enqueues dst <- src on `stream` (`defer`: at the next
+  // Flush) and returns true (src may be reused then), or returns false for a
+  // copy larger than kMaxCopy or when the ring cannot be allocated: the
+  // caller copies directly.
+  absl::StatusOr<bool> Copy(void* dst, const void* src, size_t bytes, cudaStream_t stream,
+                            bool defer) {
     if (bytes > kMaxCopy) return false;
     std::lock_guard<std::mutex> lock(mu_);
     if (host_ == nullptr) {
@@ -79,23 +83,48 @@ class PinnedRing {
     }
     if (pos_ + bytes > kBytes) {
       // The previous lap's copies must have read their bytes first.
+      OSCARKV_RETURN_IF_ERROR(FlushLocked(stream));
       OSCARKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
       pos_ = 0;
     }
     uint8_t* slot = static_cast<uint8_t*>(host_) + pos_;
     std::memcpy(slot, src, bytes);
     pos_ = (pos_ + bytes + 255) & ~size_t{255};
+    dsts_.push_back(dst);
+    srcs_.push_back(slot);
+    sizes_.push_back(bytes);
     // Enqueued under the lock: a later lap cannot reuse the slot before it.
-    OSCARKV_CUDA_RETURN_IF_ERROR(
-        cudaMemcpyAsync(dst, slot, bytes, cudaMemcpyHostToDevice, stream));
+    if (!defer) OSCARKV_RETURN_IF_ERROR(FlushLocked(stream));
     return true;
   }
 
+  // Enqueues the deferred copies, in one driver call.
+  absl::Status Flush(cudaStream_t stream) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return FlushLocked(stream);
+  }
+
  private:
+  absl::Status FlushLocked(cudaStream_t stream) {
+    if (dsts_.empty()) return absl::OkStatus();
+    const absl::Status s =
+        CopyBatchToDevice(dsts_.data(), srcs_.data(), sizes_.data(), dsts_.size(), stream);
+    dsts_.clear();
+    srcs_.clear();
+    sizes_.clear();
+    return s;
+  }
+
   std::mutex mu_;
   void* host_ = nullptr;
   size_t pos_ = 0;
+  std::vector<void*> dsts_;  // staged, not yet enqueued
+  std::vector<const void*> srcs_;
+  std::vector<size_t> sizes_;
 };
+
+// The backend whose copy batch this thread has open (BeginCopyBatch).
+thread_local const void* tl_copy_batch = nullptr;
 
 absl::Status CheckRotation(const RotationRef& r, const char* what, int i) {
   if (r.r_k == nullptr || r.r_v == nullptr) {
@@ -114,6 +143,7 @@ class CudaBackend final : public Backend {
         stream_(stream) {}
   ~CudaBackend() override {
     cudaSetDevice(device_);
+    (void)ring_.Flush(stream_);
     cudaStreamSynchronize(stream_);
     launcher_.reset();
     cudaStreamDestroy(stream_);
@@ -148,6 +178,12 @@ class CudaBackend final : public Backend {
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
     return Copy(dst, src, bytes, cudaMemcpyHostToDevice);
   }
+  void BeginCopyBatch() override { tl_copy_batch = this; }
+  absl::Status EndCopyBatch() override {
+    tl_copy_batch = nullptr;
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return ring_.Flush(stream_);
+  }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
     return Copy(dst, src, bytes, cudaMemcpyDeviceToHost);
   }
@@ -176,6 +212,7 @@ class CudaBackend final : public Backend {
     if (num_jobs == 0) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));  // deferred copies first (the blocks' rows)
     OSCARKV_ASSIGN_OR_RETURN(void* dev_jobs,
                              jobs_.Upload(jobs, sizeof(EncodeJob) * num_jobs, stream_));
     OSCARKV_RETURN_IF_ERROR(
@@ -198,6 +235,7 @@ class CudaBackend final : public Backend {
     if (num_jobs == 0) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));
     OSCARKV_ASSIGN_OR_RETURN(void* dev_jobs,
                              jobs_.Upload(jobs, sizeof(DecodeJob) * num_jobs, stream_));
     OSCARKV_RETURN_IF_ERROR(
@@ -207,6 +245,8 @@ class CudaBackend final : public Backend {
 
   absl::Status Attend(const AttendBatch& batch) override {
     std::lock_guard<std::mutex> lock(mu_);
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));  // deferred copies first
     // One upload (queries, tables), the kernels (which write the outputs to
     // pinned host memory), one wait.
     OSCARKV_RETURN_IF_ERROR(launcher_->Prepare(batch, stream_));
@@ -228,9 +268,11 @@ class CudaBackend final : public Backend {
     if (dst == nullptr || src == nullptr) return absl::InvalidArgumentError("copy with a null pointer");
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
     if (kind == cudaMemcpyHostToDevice) {
-      OSCARKV_ASSIGN_OR_RETURN(const bool staged, ring_.Copy(dst, src, bytes, stream_));
+      OSCARKV_ASSIGN_OR_RETURN(const bool staged,
+                               ring_.Copy(dst, src, bytes, stream_, tl_copy_batch == this));
       if (staged) return absl::OkStatus();
     }
+    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));  // deferred copies first
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, kind, stream_));
     bool wait = kind == cudaMemcpyDeviceToHost;
     if (kind == cudaMemcpyHostToDevice) {

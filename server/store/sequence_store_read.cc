@@ -74,6 +74,10 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
     uint64_t page_table_id = 0;
   };
   std::vector<Refs> refs(tasks.size());
+  // The appends' small row copies go to the device together (one driver
+  // call on the GPU), before any attention.
+  backend_->BeginCopyBatch();
+  std::vector<size_t> appended;
   for (size_t i = 0; i < tasks.size(); ++i) {
     AttendTask& t = tasks[i];
     Sequence& seq = **t.seq;
@@ -97,9 +101,17 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
         const size_t bytes = m.geom.exact_row_elems() * sizeof(bf16_bits);
         OSCARKV_RETURN_IF_ERROR(
             AppendLocked(seq, t.layer, cache.tokens(), 1, t.k, bytes, t.v, bytes));
+        appended.push_back(i);
       }
       return absl::OkStatus();
     }();
+  }
+  if (const absl::Status s = backend_->EndCopyBatch(); !s.ok()) {
+    // Rows the appends counted may be missing on the device.
+    for (size_t i : appended) {
+      tasks[i].status = s;
+      (*tasks[i].seq)->broken_ = true;
+    }
   }
   // Device references only once every append is done: a later append in this
   // batch can demote (and free) a recent block an earlier item would point at.

@@ -7,6 +7,9 @@
 #include <thread>
 
 #include "gmock/gmock.h"
+#include "kernels/cpu/cpu_backend.h"
+#include "kernels/rotation.h"
+#include "server/store/sequence_store.h"
 #include "service_fixture.h"
 
 extern char** environ;
@@ -25,6 +28,99 @@ int64_t WaitForFree(KvClient& client, int64_t want) {
     std::this_thread::sleep_for(std::chrono::milliseconds(25));
   }
   return got;
+}
+
+// The CPU backend, with a copy batch (Backend::BeginCopyBatch) whose issue
+// fails on demand, as a GPU's driver call could.
+class CopyBatchFailsBackend final : public Backend {
+ public:
+  std::string name() const override { return "cpu-copy-batch-fails"; }
+  std::string description() const override { return name(); }
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return cpu_.Allocate(bytes); }
+  absl::Status CopyToDevice(void* d, const void* s, size_t n) override {
+    return cpu_.CopyToDevice(d, s, n);
+  }
+  absl::Status CopyToHost(void* d, const void* s, size_t n) override {
+    return cpu_.CopyToHost(d, s, n);
+  }
+  absl::Status CopyOnDevice(void* d, const void* s, size_t n) override {
+    return cpu_.CopyOnDevice(d, s, n);
+  }
+  absl::Status EncodePages(const PageGeometry& g, const EncodeJob* j, int n) override {
+    return cpu_.EncodePages(g, j, n);
+  }
+  absl::Status DecodePages(const PageGeometry& g, const DecodeJob* j, int n) override {
+    return cpu_.DecodePages(g, j, n);
+  }
+  absl::Status Attend(const AttendBatch& b) override { return cpu_.Attend(b); }
+  void BeginCopyBatch() override { ++batches; }
+  absl::Status EndCopyBatch() override {
+    return fail ? absl::InternalError("copy batch failed (test)") : absl::OkStatus();
+  }
+
+  bool fail = false;
+  int batches = 0;
+
+ private:
+  CpuBackend cpu_{1};
+};
+
+// A decode step's fused appends whose row copies fail to reach the device:
+// those items get the error and their sequences become unusable (a row they
+// counted may be missing); items without an append are answered as usual.
+TEST(Fault, FusedAppendsWhoseCopyBatchFailsLeaveTheirSequencesUnusable) {
+  CopyBatchFailsBackend backend;
+  const ModelLayout layout = TinyLayout();
+  auto rotation = HadamardRotation(layout);
+  ASSERT_TRUE(rotation.ok()) << rotation.status();
+  auto entry = MakeModelEntry("m", std::move(*rotation), TinyTiers(), 0, backend);
+  ASSERT_TRUE(entry.ok()) << entry.status();
+  PoolOptions po;
+  po.total_bytes = size_t(4) << 20;
+  po.exact_fraction = 0.5;
+  po.page_bytes = (*entry)->geom.page_bytes();
+  po.block_bytes = (*entry)->geom.exact_block_bytes();
+  auto pool = PagePool::Create(&backend, po);
+  ASSERT_TRUE(pool.ok()) << pool.status();
+  ModelRegistry models;
+  ASSERT_TRUE(models.Register(*entry, false).ok());
+  SequenceStore store(&backend, pool->get(), &models, EvictionPolicy::kLru);
+  const KvData data = MakeKv(layout, 40, 3);
+  for (const char* id : {"a", "b"}) {
+    auto ingest = store.BeginIngest(id, "m", false, 0);
+    ASSERT_TRUE(ingest.ok()) << ingest.status();
+    ASSERT_TRUE((*ingest)->Append(-1, 0, 40, data.k.data(), data.k.size() * 2, data.v.data(),
+                                  data.v.size() * 2).ok());
+    ASSERT_TRUE((*ingest)->Commit().ok());
+  }
+  auto ha = store.Acquire("a");
+  auto hb = store.Acquire("b");
+  ASSERT_TRUE(ha.ok() && hb.ok());
+  const std::vector<float> q = RandomQuery(layout, 4);
+  const size_t out_floats = size_t(layout.num_q_heads) * layout.head_dim;
+  std::vector<float> out_a(out_floats), out_b(out_floats), want_b(out_floats);
+  std::vector<SequenceStore::AttendTask> tasks(2);
+  tasks[0].seq = &*ha;
+  tasks[0].q = q.data();
+  tasks[0].k = data.k_at(0, 0);  // a fused append of one token
+  tasks[0].v = data.v_at(0, 0);
+  tasks[0].out = out_a.data();
+  tasks[1].seq = &*hb;
+  tasks[1].q = q.data();
+  tasks[1].out = out_b.data();
+  backend.fail = true;
+  store.AttendMany(tasks);
+  EXPECT_EQ(backend.batches, 1);
+  ExpectStatus(tasks[0].status, absl::StatusCode::kInternal, "copy batch failed");
+  ASSERT_TRUE(tasks[1].status.ok()) << tasks[1].status;
+  EXPECT_EQ(tasks[1].tokens, 40);
+  backend.fail = false;
+  int64_t n = 0;
+  ExpectStatus(store.Attend(*ha, 0, q.data(), nullptr, nullptr, -1, out_a.data(), nullptr, &n),
+               absl::StatusCode::kFailedPrecondition, "unusable after a backend error");
+  ASSERT_TRUE(
+      store.Attend(*hb, 0, q.data(), nullptr, nullptr, -1, want_b.data(), nullptr, &n).ok());
+  EXPECT_EQ(out_b, want_b) << "the other item was answered as usual";
 }
 
 TEST(Fault, CancelledPutLeavesNoSequenceAndNoPages) {
