@@ -169,8 +169,9 @@ class Backend {
   // EndCopyBatch may be issued together (one driver call, the CUDA backend)
   // at EndCopyBatch, or earlier when anything else is enqueued on the
   // backend: the order with every other call is kept. A decode step's fused
-  // appends make two small copies per item. EndCopyBatch reports the error
-  // of issuing them, if any. Batches do not nest. Default: copies go at once.
+  // appends make two small copies per item. EndCopyBatch fails if issuing
+  // them failed, whichever call issued them (that call fails too). One batch
+  // per thread at a time. Default: copies go at once.
   virtual void BeginCopyBatch() {}
   virtual absl::Status EndCopyBatch() { return absl::OkStatus(); }
 

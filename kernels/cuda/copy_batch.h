@@ -1,6 +1,7 @@
-// Several host-to-device copies in one driver call (cudaMemcpyBatchAsync,
-// CUDA 12.8+): each cudaMemcpyAsync costs a few µs of host time, which a
-// decode step with many small copies pays many times over.
+// Several host-to-device copies in one driver call (cudaMemcpyBatchAsync, as
+// declared by CUDA 13; older toolkits get one cudaMemcpyAsync per copy): each
+// cudaMemcpyAsync costs a few µs of host time, which a decode step with many
+// small copies pays many times over.
 #ifndef OSCARKV_KERNELS_CUDA_COPY_BATCH_H_
 #define OSCARKV_KERNELS_CUDA_COPY_BATCH_H_
 
@@ -21,18 +22,27 @@ namespace oscarkv {
 inline absl::Status CopyBatchToDevice(void* const* dsts, const void* const* srcs,
                                       const size_t* sizes, size_t n, cudaStream_t stream) {
   if (n == 0) return absl::OkStatus();
-  if (n == 1 || stream == nullptr) {  // the batch call refuses the legacy stream
+#if CUDART_VERSION >= 13000
+  const bool one_by_one = n == 1 || stream == nullptr;  // the batch call refuses the legacy stream
+#else
+  const bool one_by_one = true;
+#endif
+  if (one_by_one) {
     for (size_t i = 0; i < n; ++i) {
       OSCARKV_CUDA_RETURN_IF_ERROR(
           cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, stream));
     }
     return absl::OkStatus();
   }
+#if CUDART_VERSION >= 13000
   cudaMemcpyAttributes attr{};
   attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
   size_t first = 0;
   return CudaStatus(cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &first, 1, stream),
                     "cudaMemcpyBatchAsync");
+#else
+  return absl::OkStatus();
+#endif
 }
 
 }  // namespace oscarkv

@@ -98,10 +98,25 @@ class PinnedRing {
     return true;
   }
 
-  // Enqueues the deferred copies, in one driver call.
+  // Enqueues the deferred copies, in one driver call. A flush takes every
+  // thread's deferred copies: they go together as one unordered batch, which
+  // is safe because no destination is written twice between flushes (a
+  // recent block's rows are written once, and the block is reused only after
+  // the demotion that reads it, whose encode flushes first).
   absl::Status Flush(cudaStream_t stream) {
     std::lock_guard<std::mutex> lock(mu_);
     return FlushLocked(stream);
+  }
+
+  // Flushes that failed so far, and the last one's error: a batch's owner
+  // learns of a failure even when another call's flush issued its copies.
+  uint64_t failures() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return failures_;
+  }
+  absl::Status last_failure() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return last_failure_;
   }
 
  private:
@@ -112,10 +127,16 @@ class PinnedRing {
     dsts_.clear();
     srcs_.clear();
     sizes_.clear();
+    if (!s.ok()) {
+      ++failures_;
+      last_failure_ = s;
+    }
     return s;
   }
 
   std::mutex mu_;
+  uint64_t failures_ = 0;
+  absl::Status last_failure_;
   void* host_ = nullptr;
   size_t pos_ = 0;
   std::vector<void*> dsts_;  // staged, not yet enqueued
@@ -123,8 +144,10 @@ class PinnedRing {
   std::vector<size_t> sizes_;
 };
 
-// The backend whose copy batch this thread has open (BeginCopyBatch).
+// The backend whose copy batch this thread has open (BeginCopyBatch), and
+// its ring's failed-flush count then.
 thread_local const void* tl_copy_batch = nullptr;
+thread_local uint64_t tl_copy_batch_failures = 0;
 
 absl::Status CheckRotation(const RotationRef& r, const char* what, int i) {
   if (r.r_k == nullptr || r.r_v == nullptr) {
@@ -178,11 +201,19 @@ class CudaBackend final : public Backend {
   absl::Status CopyToDevice(void* dst, const void* src, size_t bytes) override {
     return Copy(dst, src, bytes, cudaMemcpyHostToDevice);
   }
-  void BeginCopyBatch() override { tl_copy_batch = this; }
+  void BeginCopyBatch() override {
+    tl_copy_batch = this;
+    tl_copy_batch_failures = ring_.failures();
+  }
+  // Fails if any flush failed since BeginCopyBatch, whichever call issued it
+  // (the batch's copies may have gone with it).
   absl::Status EndCopyBatch() override {
+    if (tl_copy_batch != this) return absl::OkStatus();
     tl_copy_batch = nullptr;
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    return ring_.Flush(stream_);
+    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));
+    if (ring_.failures() != tl_copy_batch_failures) return ring_.last_failure();
+    return absl::OkStatus();
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
     return Copy(dst, src, bytes, cudaMemcpyDeviceToHost);

@@ -75,8 +75,20 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
   };
   std::vector<Refs> refs(tasks.size());
   // The appends' small row copies go to the device together (one driver
-  // call on the GPU), before any attention.
-  backend_->BeginCopyBatch();
+  // call on the GPU), before any attention. (The guard ends the batch on an
+  // exception too.)
+  struct CopyBatch {
+    Backend& backend;
+    bool open = true;
+    explicit CopyBatch(Backend& b) : backend(b) { backend.BeginCopyBatch(); }
+    absl::Status End() {
+      open = false;
+      return backend.EndCopyBatch();
+    }
+    ~CopyBatch() {
+      if (open) (void)backend.EndCopyBatch();
+    }
+  } copy_batch(*backend_);
   std::vector<size_t> appended;
   for (size_t i = 0; i < tasks.size(); ++i) {
     AttendTask& t = tasks[i];
@@ -106,10 +118,11 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
       return absl::OkStatus();
     }();
   }
-  if (const absl::Status s = backend_->EndCopyBatch(); !s.ok()) {
+  if (const absl::Status s = copy_batch.End(); !s.ok()) {
     // Rows the appends counted may be missing on the device.
     for (size_t i : appended) {
-      tasks[i].status = s;
+      tasks[i].status = absl::InternalError(
+          absl::StrCat("backend failed while appending to layer: ", s.message()));
       (*tasks[i].seq)->broken_ = true;
     }
   }

@@ -243,6 +243,73 @@ TEST_F(CudaCodecTest, RepeatedLargestValuesClipExactlyLikeTheCpu) {
   }
 }
 
+// A copy batch (Backend::BeginCopyBatch) as a decode step's fused appends
+// use it: many small row copies deferred into one driver call, with an
+// encode of some of the blocks in the middle (it must see their rows), and
+// large filler copies that lap the 1 MiB pinned ring several times. Every
+// byte must land, and the pages must equal the CPU's.
+TEST_F(CudaCodecTest, ACopyBatchAcrossRingLapsAndEncodesKeepsEveryCopyInOrder) {
+  const PageGeometry geom{2, 128, 32, 32};
+  const int dim = 128, jobs = 6;
+  const size_t block_elems = geom.exact_block_bytes() / 2, row = geom.exact_row_elems();
+  std::mt19937_64 rng(11);
+  std::uniform_int_distribution<int> small(-3, 3);
+  std::vector<bf16_bits> blocks(block_elems * jobs);
+  for (auto& v : blocks) v = FloatToBf16(static_cast<float>(small(rng)));
+  std::vector<uint8_t> filler(size_t(3) << 20);
+  for (auto& b : filler) b = static_cast<uint8_t>(rng());
+  std::vector<float> eye(size_t(dim) * dim, 0.0f);
+  for (int i = 0; i < dim; ++i) eye[size_t(i) * dim + i] = 1.0f;
+  auto eye_dev = Upload(*gpu_, eye);
+  auto blocks_dev = gpu_->Allocate(blocks.size() * 2);
+  auto pages_dev = gpu_->Allocate(geom.page_bytes() * jobs);
+  auto filler_dev = gpu_->Allocate(filler.size());
+  ASSERT_TRUE(eye_dev.ok() && blocks_dev.ok() && pages_dev.ok() && filler_dev.ok());
+  std::vector<uint8_t> cpu_pages(geom.page_bytes() * jobs, 0);
+  std::vector<EncodeJob> cpu_jobs(jobs), gpu_jobs(jobs);
+  for (int j = 0; j < jobs; ++j) {
+    cpu_jobs[j] = EncodeJob{blocks.data() + j * block_elems, cpu_pages.data() + j * geom.page_bytes(),
+                            RotationRef{eye.data(), eye.data(), 0}, 0.9f, 0.85f};
+    gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + j * block_elems,
+                            pages_dev->as<uint8_t>() + j * geom.page_bytes(),
+                            RotationRef{eye_dev->as<float>(), eye_dev->as<float>(), 0}, 0.9f, 0.85f};
+  }
+  CpuBackend cpu(2);
+  ASSERT_TRUE(cpu.EncodePages(geom, cpu_jobs.data(), jobs).ok());
+
+  const size_t chunk = size_t(48) << 10;  // filler copies: 64 of 48 KB, 3 MiB in all
+  size_t filler_pos = 0;
+  auto copy_filler = [&] {
+    if (filler_pos >= filler.size()) return;
+    ASSERT_TRUE(gpu_->CopyToDevice(filler_dev->as<uint8_t>() + filler_pos, &filler[filler_pos],
+                                   chunk).ok());
+    filler_pos += chunk;
+  };
+  gpu_->BeginCopyBatch();
+  for (int j = 0; j < jobs; ++j) {
+    // Token by token, K row then V row, as fused appends write them.
+    bf16_bits* dst = blocks_dev->as<bf16_bits>() + j * block_elems;
+    const bf16_bits* src = blocks.data() + j * block_elems;
+    for (int t = 0; t < geom.page_tokens; ++t) {
+      ASSERT_TRUE(gpu_->CopyToDevice(dst + t * row, src + t * row, row * 2).ok());
+      const size_t v = size_t(geom.page_tokens) * row + t * row;
+      ASSERT_TRUE(gpu_->CopyToDevice(dst + v, src + v, row * 2).ok());
+      if (t % 3 == 0) copy_filler();
+    }
+    if (j == 2) ASSERT_TRUE(gpu_->EncodePages(geom, gpu_jobs.data(), 3).ok());  // mid-batch
+  }
+  while (filler_pos < filler.size()) copy_filler();
+  ASSERT_TRUE(gpu_->EndCopyBatch().ok());
+  ASSERT_TRUE(gpu_->EncodePages(geom, gpu_jobs.data() + 3, 3).ok());
+  auto pages = Download<uint8_t>(*gpu_, pages_dev->data(), cpu_pages.size());
+  auto back = Download<uint8_t>(*gpu_, filler_dev->data(), filler.size());
+  ASSERT_TRUE(pages.ok() && back.ok());
+  size_t differ = 0;
+  for (size_t i = 0; i < cpu_pages.size(); ++i) differ += cpu_pages[i] != (*pages)[i];
+  EXPECT_EQ(differ, 0u) << "page bytes unlike the CPU's, of " << cpu_pages.size();
+  EXPECT_TRUE(*back == filler) << "filler bytes lost or out of order";
+}
+
 TEST_F(CudaCodecTest, DecodeMatchesCpuBackendOnTheSamePages) {
   size_t outputs = 0, diffs = 0;
   float max_rel = 0.0f;  // largest difference in units of the row's BF16 ulp
