@@ -89,30 +89,9 @@ TEST(PoolSize, FractionOutsideZeroOneIsInvalidArgument) {
 
 // A backend that keeps Backend's default AvailableBytes (it cannot tell its
 // free memory); everything else is the CPU backend's.
-class BackendWithoutMemoryReport final : public Backend {
+class BackendWithoutMemoryReport final : public CpuBackendWrapper {
  public:
   std::string name() const override { return "opaque"; }
-  std::string description() const override { return "opaque (cpu inside)"; }
-  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return cpu_.Allocate(bytes); }
-  absl::Status CopyToDevice(void* d, const void* s, size_t n) override {
-    return cpu_.CopyToDevice(d, s, n);
-  }
-  absl::Status CopyToHost(void* d, const void* s, size_t n) override {
-    return cpu_.CopyToHost(d, s, n);
-  }
-  absl::Status CopyOnDevice(void* d, const void* s, size_t n) override {
-    return cpu_.CopyOnDevice(d, s, n);
-  }
-  absl::Status EncodePages(const PageGeometry& g, const EncodeJob* j, int n) override {
-    return cpu_.EncodePages(g, j, n);
-  }
-  absl::Status DecodePages(const PageGeometry& g, const DecodeJob* j, int n) override {
-    return cpu_.DecodePages(g, j, n);
-  }
-  absl::Status Attend(const AttendBatch& b) override { return cpu_.Attend(b); }
-
- private:
-  CpuBackend cpu_{1};
 };
 
 TEST(PoolSize, FractionOfABackendThatCannotReportItsMemoryIsUnimplemented) {

@@ -7,7 +7,6 @@
 #include <thread>
 
 #include "gmock/gmock.h"
-#include "kernels/cpu/cpu_backend.h"
 #include "kernels/rotation.h"
 #include "server/store/sequence_store.h"
 #include "service_fixture.h"
@@ -32,27 +31,8 @@ int64_t WaitForFree(KvClient& client, int64_t want) {
 
 // The CPU backend, with a copy batch (Backend::BeginCopyBatch) whose issue
 // fails on demand, as a GPU's driver call could.
-class CopyBatchFailsBackend final : public Backend {
+class CopyBatchFailsBackend final : public CpuBackendWrapper {
  public:
-  std::string name() const override { return "cpu-copy-batch-fails"; }
-  std::string description() const override { return name(); }
-  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return cpu_.Allocate(bytes); }
-  absl::Status CopyToDevice(void* d, const void* s, size_t n) override {
-    return cpu_.CopyToDevice(d, s, n);
-  }
-  absl::Status CopyToHost(void* d, const void* s, size_t n) override {
-    return cpu_.CopyToHost(d, s, n);
-  }
-  absl::Status CopyOnDevice(void* d, const void* s, size_t n) override {
-    return cpu_.CopyOnDevice(d, s, n);
-  }
-  absl::Status EncodePages(const PageGeometry& g, const EncodeJob* j, int n) override {
-    return cpu_.EncodePages(g, j, n);
-  }
-  absl::Status DecodePages(const PageGeometry& g, const DecodeJob* j, int n) override {
-    return cpu_.DecodePages(g, j, n);
-  }
-  absl::Status Attend(const AttendBatch& b) override { return cpu_.Attend(b); }
   void BeginCopyBatch() override { ++batches; }
   absl::Status EndCopyBatch() override {
     return fail ? absl::InternalError("copy batch failed (test)") : absl::OkStatus();
@@ -60,9 +40,6 @@ class CopyBatchFailsBackend final : public Backend {
 
   bool fail = false;
   int batches = 0;
-
- private:
-  CpuBackend cpu_{1};
 };
 
 // A decode step's fused appends whose row copies fail to reach the device:

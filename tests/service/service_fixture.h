@@ -14,6 +14,7 @@
 #include "client/kv_client.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/layout.h"
 #include "kernels/numeric.h"
 #include "kernels/page_format.h"
@@ -74,6 +75,35 @@ inline ServerOptions TinyServerOptions(size_t pool_bytes = size_t{8} << 20) {
   o.max_message_bytes = 4 << 20;
   return o;
 }
+
+// The CPU backend inside a Backend of the test's own: a subclass overrides
+// the one behaviour a test changes. AvailableBytes and the copy batch keep
+// Backend's defaults unless overridden.
+class CpuBackendWrapper : public Backend {
+ public:
+  std::string name() const override { return "cpu-wrapped"; }
+  std::string description() const override { return name() + " (cpu inside)"; }
+  absl::StatusOr<DeviceBuffer> Allocate(size_t bytes) override { return cpu_.Allocate(bytes); }
+  absl::Status CopyToDevice(void* d, const void* s, size_t n) override {
+    return cpu_.CopyToDevice(d, s, n);
+  }
+  absl::Status CopyToHost(void* d, const void* s, size_t n) override {
+    return cpu_.CopyToHost(d, s, n);
+  }
+  absl::Status CopyOnDevice(void* d, const void* s, size_t n) override {
+    return cpu_.CopyOnDevice(d, s, n);
+  }
+  absl::Status EncodePages(const PageGeometry& g, const EncodeJob* j, int n) override {
+    return cpu_.EncodePages(g, j, n);
+  }
+  absl::Status DecodePages(const PageGeometry& g, const DecodeJob* j, int n) override {
+    return cpu_.DecodePages(g, j, n);
+  }
+  absl::Status Attend(const AttendBatch& b) override { return cpu_.Attend(b); }
+
+ protected:
+  CpuBackend cpu_{1};
+};
 
 struct TestServer {
   std::shared_ptr<prometheus::Registry> registry = std::make_shared<prometheus::Registry>();
