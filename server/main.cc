@@ -25,8 +25,10 @@
 #include "server/calibration_reader.h"
 #include "server/oscarkv_server.h"
 
-ABSL_FLAG(std::string, listen, "0.0.0.0:50051", "gRPC listen address: host:port (port 0 picks one), or unix:PATH for a Unix "
-          "domain socket (a sidecar's clients on the same host; lower latency than TCP)");
+ABSL_FLAG(std::string, listen, "0.0.0.0:50051",
+          "gRPC listen address: host:port (port 0 picks one), or unix:PATH for a Unix domain "
+          "socket (clients on the same host only, no TCP port opened; refused if another "
+          "server answers on it)");
 ABSL_FLAG(std::string, metrics_listen, "0.0.0.0:9464",
           "Prometheus /metrics listen address (host:port); empty disables metrics");
 ABSL_FLAG(std::string, backend, "auto",

@@ -257,7 +257,8 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
         absl::StrCat("cannot listen on ", options.listen_address, " (in use or invalid)"));
   }
   if (unix_socket) {
-    // gRPC reports a placeholder port for a socket; there is none.
+    // A socket has no port: gRPC's selected_port holds 1 there (it only says
+    // the bind worked), so port() answers 0 and address() the socket.
     s->unix_socket_ = options.listen_address;
     s->port_ = 0;
   }

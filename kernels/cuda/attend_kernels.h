@@ -163,13 +163,8 @@ class AttendLauncher {
     int upload_from = 0;
   };
   std::vector<TablePlan> table_plans_;  // per item of the batch being prepared
-  struct TableUpdate {
-    size_t entry;   // first array entry written
-    long staged;    // its first pointer in the staging buffer's update region
-    int count;
-  };
-  std::vector<TableUpdate> table_updates_;
-  std::vector<void*> copy_dsts_;  // the call's copies (CopyBatchToDevice)
+  // The call's copies (CopyBatchToDevice): the upload, then table updates.
+  std::vector<void*> copy_dsts_;
   std::vector<const void*> copy_srcs_;
   std::vector<size_t> copy_sizes_;
   // Resident blocks per SM of each split kernel used so far (by shape and variant).

@@ -240,8 +240,12 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     return absl::InvalidArgumentError(absl::StrCat("attention item ", item, " page ", first + p,
                                                    " is null or not 8-byte aligned"));
   };
+  // The call's copies: the upload (entry 0, sized below), then the new
+  // entries of named tables; one driver call.
   long page_pos = 0, exact_pos = 0, update_pos = 0;
-  table_updates_.clear();
+  copy_dsts_.assign(1, dev);
+  copy_srcs_.assign(1, host);
+  copy_sizes_.assign(1, 0);
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = b.items[i];
     ItemPlan& ip = items[i];
@@ -264,7 +268,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       const int from = tp.upload_from, count = it.num_pages - tp.upload_from;
       if (count > 0) {
         OSCARKV_RETURN_IF_ERROR(copy_pages(updates + update_pos, it.pages + from, count, i, from));
-        table_updates_.push_back(TableUpdate{tp.offset + from, update_pos, count});
+        copy_dsts_.push_back(page_tables_ + tp.offset + from);
+        copy_srcs_.push_back(updates + update_pos);
+        copy_sizes_.push_back(sizeof(void*) * count);
         update_pos += count;
       }
     } else {
@@ -284,15 +290,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
   shape.wide_merge = max_splits > cuda_attend::kWarps * cuda_attend::MergeBatch(D, false);
   const int w = static_cast<int>(num_work);
-  // The upload and the new entries of named tables: one driver call.
-  copy_dsts_.assign(1, dev);
-  copy_srcs_.assign(1, host);
-  copy_sizes_.assign(1, upload);
-  for (const TableUpdate& u : table_updates_) {
-    copy_dsts_.push_back(page_tables_ + u.entry);
-    copy_srcs_.push_back(updates + u.staged);
-    copy_sizes_.push_back(sizeof(void*) * u.count);
-  }
+  copy_sizes_[0] = upload;
   OSCARKV_RETURN_IF_ERROR(CopyBatchToDevice(copy_dsts_.data(), copy_srcs_.data(),
                                             copy_sizes_.data(), copy_dsts_.size(), stream));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_done_, stream));

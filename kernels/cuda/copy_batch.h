@@ -21,28 +21,20 @@ namespace oscarkv {
 // the stream has run the copies (pinned memory for truly asynchronous ones).
 inline absl::Status CopyBatchToDevice(void* const* dsts, const void* const* srcs,
                                       const size_t* sizes, size_t n, cudaStream_t stream) {
-  if (n == 0) return absl::OkStatus();
 #if CUDART_VERSION >= 13000
-  const bool one_by_one = n == 1 || stream == nullptr;  // the batch call refuses the legacy stream
-#else
-  const bool one_by_one = true;
-#endif
-  if (one_by_one) {
-    for (size_t i = 0; i < n; ++i) {
-      OSCARKV_CUDA_RETURN_IF_ERROR(
-          cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, stream));
-    }
-    return absl::OkStatus();
+  if (n > 1 && stream != nullptr) {  // the batch call refuses the legacy stream
+    cudaMemcpyAttributes attr{};
+    attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t first = 0;
+    return CudaStatus(cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &first, 1, stream),
+                      "cudaMemcpyBatchAsync");
   }
-#if CUDART_VERSION >= 13000
-  cudaMemcpyAttributes attr{};
-  attr.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-  size_t first = 0;
-  return CudaStatus(cudaMemcpyBatchAsync(dsts, srcs, sizes, n, &attr, &first, 1, stream),
-                    "cudaMemcpyBatchAsync");
-#else
-  return absl::OkStatus();
 #endif
+  for (size_t i = 0; i < n; ++i) {
+    OSCARKV_CUDA_RETURN_IF_ERROR(
+        cudaMemcpyAsync(dsts[i], srcs[i], sizes[i], cudaMemcpyHostToDevice, stream));
+  }
+  return absl::OkStatus();
 }
 
 }  // namespace oscarkv

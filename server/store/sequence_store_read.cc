@@ -70,8 +70,7 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
   // Fused appends in item order (pass 1), then the device references of each item (pass 2).
   struct Refs {
     std::vector<ExactBlockRef> exact;
-    const std::vector<const uint8_t*>* pages = nullptr;  // the layer's own table
-    uint64_t page_table_id = 0;
+    const LayerCache* cache = nullptr;  // its page table, as it stands after the appends
   };
   std::vector<Refs> refs(tasks.size());
   // The appends' small row copies go to the device together (one driver
@@ -138,8 +137,7 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
       OSCARKV_RETURN_IF_ERROR(seq.Usable());
       const LayerCache& cache = seq.layers_[t.layer];
       cache.ExactRefs(*pool_, &refs[i].exact);
-      refs[i].pages = &cache.page_pointers();
-      refs[i].page_table_id = cache.page_table_id();
+      refs[i].cache = &cache;
       t.tokens = cache.tokens();
       return absl::OkStatus();
     }();
@@ -164,9 +162,10 @@ void SequenceStore::AttendMany(std::vector<AttendTask>& tasks) {
       item.rotation = m->codecs[tasks[i].layer].rotation;
       item.exact = refs[i].exact.data();
       item.num_exact = static_cast<int>(refs[i].exact.size());
-      item.pages = refs[i].pages->data();
-      item.num_pages = static_cast<int>(refs[i].pages->size());
-      item.page_table_id = refs[i].page_table_id;
+      const std::vector<const uint8_t*>& pages = refs[i].cache->page_pointers();
+      item.pages = pages.data();
+      item.num_pages = static_cast<int>(pages.size());
+      item.page_table_id = refs[i].cache->page_table_id();
       items.push_back(item);
       which.push_back(i);
     }
