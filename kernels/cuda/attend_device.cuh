@@ -39,7 +39,7 @@ struct LaunchArgs {
   float* qmeta;          // [item][Hq][kQueryMetaFloats]
   float* qexact;         // [item][Hq][D], scaled by scale_log2
   float* partials;       // [partial][PartialFloats(g, D)]
-  int int_qk;            // query fragments in the integer-digit format (kIntQK)
+  int int_qk;            // query fragments: 0 fp16, 1 integer digits (kIntQK), 2 integer paired (IntPv)
   int ablate;            // benchmarks only: parts of the history loop skipped (wrong results)
 };
 
@@ -90,6 +90,16 @@ __device__ __forceinline__ void ImmaU8S8(int (&c)[4], uint32_t a0, uint32_t a1, 
       "{%8,%9}, {%0,%1,%2,%3};\n"
       : "+r"(c[0]), "+r"(c[1]), "+r"(c[2]), "+r"(c[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// D (s32) = A (u8, 16x32) · B (u8, 32x8), from zero.
+__device__ __forceinline__ void ImmaU8U8(int (&d)[4], uint32_t a0, uint32_t a1, uint32_t a2,
+                                         uint32_t a3, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k32.row.col.s32.u8.u8.s32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%10,%10,%10,%10};\n"
+      : "=r"(d[0]), "=r"(d[1]), "=r"(d[2]), "=r"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1), "r"(0));
 }
 
 __device__ __forceinline__ uint32_t TransposeM8N8(uint32_t x) {

@@ -8,26 +8,15 @@
 namespace oscarkv {
 namespace cuda_attend {
 
-// Online-softmax state and accumulators of one warp over its history chunks.
-// Thread (r = lane/4, c = lane%4) owns query heads hh0, hh0+1 of the group.
-// kInt: q·K on the integer tensor cores (D = 128, at most 4 query heads per
-// kv head; other shapes ignore it): A = codes as u8 values c·4^k straight from
-// the packed bytes (one AND per 4 codes), B = the query as four base-128 int8
-// digits of q'·2^-E·4^(3-k), exact int32 accumulation (see the prep kernel).
-template <int D, int NG, bool G8, bool kInt = false>
-struct HistoryWarp {
+// The loads of one warp's 32-token chunks of kv head h's history pages, shared
+// by the history warps. Thread (r = lane/4, c = lane%4) loads the K codes and
+// the K and V (scale, min) of tokens r, r+8, 16+r, 24+r, and the V codes of
+// tokens 16τ + {2c, 2c+1, 2c+8, 2c+9} (see ChunkRegs).
+template <int D, int NG, bool G8>
+struct ChunkLoads {
   using C = Cfg<D, NG, G8>;
   using Regs = ChunkRegs<C, NG>;
-  static constexpr bool kIntQK = kInt && D == 128 && !G8;
-  static constexpr int QN = kIntQK ? 2 : C::NT;  // query fragment n-tiles
-  static constexpr int QK = kIntQK ? 4 : C::KS;  // query fragment k-steps
-
-  int r, c, hh0;
-  uint32_t qb[QN][QK][2];
-  float mult[2], qsum[2][NG];
-  float m[2], l[2];
-  float vlo[NG][2];
-  float o[C::NT][C::MT][4];
+  int r, c;
   // Byte offsets, inside a page, of this thread's first K / V code and param
   // bytes of chunk 0.
   size_t k_thread, v_thread, kp_thread, vp_thread;
@@ -36,41 +25,10 @@ struct HistoryWarp {
   __device__ void InitOffsets(const PageGeometry& geom, int h, int lane) {
     r = lane >> 2;
     c = lane & 3;
-    hh0 = G8 ? 2 * c : 2 * (c & 1);
     k_thread = geom.codes_offset(h, 0) + size_t(r) * (D / 4) + c * (D / 16);
     kp_thread = geom.params_offset(h, 0) + size_t(r) * NG * 4;
     v_thread = geom.codes_offset(h, 1) + size_t(2 * c) * (D / 4) + r * C::VB;
     vp_thread = geom.params_offset(h, 1) + size_t(r) * NG * 4;
-  }
-
-  // The query fragments and sums from the prep kernel; zero state.
-  __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
-    const uint32_t* qf = a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (QN * QK * 2 * 32);
-#pragma unroll
-    for (int nt = 0; nt < QN; ++nt)
-#pragma unroll
-      for (int ks = 0; ks < QK; ++ks)
-#pragma unroll
-        for (int rg = 0; rg < 2; ++rg) qb[nt][ks][rg] = qf[((nt * QK + ks) * 2 + rg) * 32 + lane];
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int hh = hh0 + j;
-      const float* meta = a.qmeta + (size_t(item) * a.hq + h * a.g + hh) * kQueryMetaFloats;
-      const bool valid = hh < a.g;
-      mult[j] = valid ? meta[0] : 0.0f;
-#pragma unroll
-      for (int gi = 0; gi < NG; ++gi) qsum[j][gi] = valid ? meta[1 + gi] : 0.0f;
-      m[j] = -INFINITY;
-      l[j] = 0.0f;
-#pragma unroll
-      for (int gi = 0; gi < NG; ++gi) vlo[gi][j] = 0.0f;
-    }
-#pragma unroll
-    for (int nt = 0; nt < C::NT; ++nt)
-#pragma unroll
-      for (int mt = 0; mt < C::MT; ++mt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
   }
 
   __device__ __forceinline__ void Load(Regs& x, const uint8_t* page, int chunk) const {
@@ -140,6 +98,66 @@ struct HistoryWarp {
         }
       }
     }
+  }
+};
+
+// Online-softmax state and accumulators of one warp over its history chunks.
+// Thread (r = lane/4, c = lane%4) owns query heads hh0, hh0+1 of the group.
+// kInt: q·K on the integer tensor cores (D = 128, at most 4 query heads per
+// kv head; other shapes ignore it): A = codes as u8 values c·4^k straight from
+// the packed bytes (one AND per 4 codes), B = the query as four base-128 int8
+// digits of q'·2^-E·4^(3-k), exact int32 accumulation (see the prep kernel).
+template <int D, int NG, bool G8, bool kInt = false>
+struct HistoryWarp : ChunkLoads<D, NG, G8> {
+  using Base = ChunkLoads<D, NG, G8>;
+  using C = Cfg<D, NG, G8>;
+  using Regs = ChunkRegs<C, NG>;
+  using Base::c;
+  using Base::r;
+  static constexpr bool kIntQK = kInt && D == 128 && !G8;
+  static constexpr int QN = kIntQK ? 2 : C::NT;  // query fragment n-tiles
+  static constexpr int QK = kIntQK ? 4 : C::KS;  // query fragment k-steps
+
+  int hh0;
+  uint32_t qb[QN][QK][2];
+  float mult[2], qsum[2][NG];
+  float m[2], l[2];
+  float vlo[NG][2];
+  float o[C::NT][C::MT][4];
+
+  __device__ void InitOffsets(const PageGeometry& geom, int h, int lane) {
+    Base::InitOffsets(geom, h, lane);
+    hh0 = G8 ? 2 * c : 2 * (c & 1);
+  }
+
+  // The query fragments and sums from the prep kernel; zero state.
+  __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
+    const uint32_t* qf = a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (QN * QK * 2 * 32);
+#pragma unroll
+    for (int nt = 0; nt < QN; ++nt)
+#pragma unroll
+      for (int ks = 0; ks < QK; ++ks)
+#pragma unroll
+        for (int rg = 0; rg < 2; ++rg) qb[nt][ks][rg] = qf[((nt * QK + ks) * 2 + rg) * 32 + lane];
+#pragma unroll
+    for (int j = 0; j < 2; ++j) {
+      const int hh = hh0 + j;
+      const float* meta = a.qmeta + (size_t(item) * a.hq + h * a.g + hh) * kQueryMetaFloats;
+      const bool valid = hh < a.g;
+      mult[j] = valid ? meta[0] : 0.0f;
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) qsum[j][gi] = valid ? meta[1 + gi] : 0.0f;
+      m[j] = -INFINITY;
+      l[j] = 0.0f;
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) vlo[gi][j] = 0.0f;
+    }
+#pragma unroll
+    for (int nt = 0; nt < C::NT; ++nt)
+#pragma unroll
+      for (int mt = 0; mt < C::MT; ++mt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) o[nt][mt][e] = 0.0f;
   }
 
   __device__ __forceinline__ void Process(const Regs& x) {

@@ -3,9 +3,12 @@
 // (attend_merge.cuh). Host planning lives in attend_launcher.cu.
 #include "kernels/cuda/attend_launch.h"
 
+#include <type_traits>
+
 #include "absl/strings/str_cat.h"
 #include "kernels/cuda/attend_exact.cuh"
 #include "kernels/cuda/attend_history.cuh"
+#include "kernels/cuda/attend_history_int.cuh"
 #include "kernels/cuda/attend_merge.cuh"
 #include "kernels/cuda/attend_prep.cuh"
 #include "kernels/cuda/cuda_status.h"
@@ -67,10 +70,15 @@ __device__ void PrefetchExactRowsL2(const LaunchArgs& a, const ItemPlan& item, c
 // kPrefetch: register double buffer of whole chunks. kPipeline: software
 // pipeline, QK of chunk i+1 next to softmax / PV of chunk i (two independent
 // instruction streams per warp), K and V halves loaded on separate schedules.
+// kIntPv (2 or 3, its P' digits): the history warp is HistoryWarpIntPv (with
+// kPrefetch only).
 template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
-          bool kInt = false>
+          bool kInt = false, int kIntPv = 0>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
+  using Warp = std::conditional_t<kIntPv != 0, HistoryWarpIntPv<D, NG, G8, kIntPv>,
+                                  HistoryWarp<D, NG, G8, kInt>>;
+  static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
   constexpr int HG = C::HG;
   __shared__ float sm_o[kWarps][HG][D];
   __shared__ float sm_m[kWarps][HG];
@@ -94,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   if (has_history) {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (wu.end - wu.begin) * cpp;
-    HistoryWarp<D, NG, G8, kInt> hw;
+    Warp hw;
     hw.InitOffsets(a.geom, wu.kv_head, lane);
     // Page pointers for iterations [base, base + 32), one per lane.
     int base = 0;
@@ -115,12 +123,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
     };
     const int iters = warp < n ? (n - warp + kWarps - 1) / kWarps : 0;
-    typename HistoryWarp<D, NG, G8, kInt>::Regs ra, rb;
+    typename Warp::Regs ra, rb;
     if constexpr (kPipeline) {
       // ra / rb: K halves (QK); va / vb: V halves (PV). At the loop top:
       // lga = logits(it), va = V(it), rb = K(it+1), ra = K(it+2) and
       // vb = V(it+1) in flight. Loads go in non-decreasing chunk order.
-      typename HistoryWarp<D, NG, G8, kInt>::Regs va = {}, vb = {};
+      typename Warp::Regs va = {}, vb = {};
       ra = {};
       rb = {};
       float lga[2][4], lgb[2][4];
@@ -263,9 +271,15 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // 1 (D = 128, one group only) = 4 blocks per SM, no prefetch; 2 = software
 // pipeline (QK of the next chunk next to PV of this one), 3 blocks per SM;
 // 3 / 4 = variants 0 / 2 with q·K on the integer tensor cores (D = 128 and at
-// most 4 query heads per kv head; other shapes run variants 0 / 2).
+// most 4 query heads per kv head; other shapes run variants 0 / 2); 6 / 7 / 8 =
+// q·K and P·V on the integer tensor cores (HistoryWarpIntPv; D = 128, one
+// quantization group, at most 4 query heads per kv head; other shapes run 3):
+// 24-bit P' at 3 / 4 blocks per SM, 16-bit P' at 3.
+inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
+  return variant >= 6 && variant <= 8 && head_dim == 128 && groups == 1 && !g8;
+}
 inline bool UsesIntQk(int variant, int head_dim, bool g8) {
-  return (variant == 3 || variant == 4 || variant == 5) && head_dim == 128 && !g8;
+  return (variant >= 3 && variant <= 8) && head_dim == 128 && !g8;
 }
 
 template <int D, int NG, bool G8>
@@ -273,8 +287,15 @@ auto SplitKernelFor(int variant) {
   if constexpr (D == 128 && NG == 1) {
     if (variant == 1) return &SplitKernel<D, NG, G8, 4, false>;
   }
+  if constexpr (D == 128 && NG == 1 && !G8) {
+    if (variant == 6) return &SplitKernel<D, NG, G8, 3, true, false, true, 3>;
+    if (variant == 7) return &SplitKernel<D, NG, G8, 4, true, false, true, 3>;
+    if (variant == 8) return &SplitKernel<D, NG, G8, 3, true, false, true, 2>;
+  }
   if constexpr (D == 128 && !G8) {
-    if (variant == 3) return &SplitKernel<D, NG, G8, 3, true, false, true>;
+    if (variant == 3 || (variant >= 6 && variant <= 8)) {
+      return &SplitKernel<D, NG, G8, 3, true, false, true>;
+    }
     // 5 = 3 held to 4 blocks per SM (at most 128 registers): more warps to hide latency.
     if (variant == 5) return &SplitKernel<D, NG, G8, 4, true, false, true>;
     if (variant == 4) return &SplitKernel<D, NG, G8, 3, false, true, true>;
@@ -286,7 +307,7 @@ auto SplitKernelFor(int variant) {
 template <int D, int NG, bool G8>
 absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStream_t stream) {
   LaunchArgs a = args;
-  a.int_qk = UsesIntQk(s.variant, D, G8) ? 1 : 0;
+  a.int_qk = UsesIntPv(s.variant, D, NG, G8) ? 2 : UsesIntQk(s.variant, D, G8) ? 1 : 0;
   // One prep block per (item, query head).
   const long heads = long(s.num_items) * s.hq;
   if (heads > 0x7fffffffL) return absl::InvalidArgumentError("attention batch too large");

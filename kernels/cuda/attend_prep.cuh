@@ -34,14 +34,18 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
   const int g = a.g;
   if (int_format) {
     // B fragments of the m16n8k32 u8·s8 MMA: n-tile t, k-step = code field kk,
-    // register rg = bytes [4rg, 4rg+4) of thread c's 8 code bytes; column n:
-    // digit 2t + (n >= 4) of head n & 3; byte b holds the digit of dim
+    // register rg = bytes [4rg, 4rg+4) of thread c's 8 code bytes; column n
+    // as below; byte b holds the digit of dim
     // d = 8c + 4rg + b + 32kk, where v = q'·inv·4^(3-kk) = Σ_j digit_j·128^-j.
     uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * (2 * 4 * 2 * 32);
     for (int idx = threadIdx.x; idx < 2 * 4 * 2 * 32; idx += blockDim.x) {
       const int ln = idx & 31, rg = (idx >> 5) & 1, kk = (idx >> 6) & 3, t = idx >> 8;
       const int c = ln & 3, n = ln >> 2;
-      const int col = n & 3, digit = 2 * t + (n >= 4 ? 1 : 0);
+      // int_qk 1: digit 2t + n/4 of head n%4; 2 (paired, HistoryWarpIntPv):
+      // digit 2t + n%2 of head n/2.
+      const bool paired = a.int_qk == 2;
+      const int col = paired ? n >> 1 : n & 3;
+      const int digit = 2 * t + (paired ? n & 1 : (n >= 4 ? 1 : 0));
       if (col == hh) {
         const float sc = inv * (kk == 0 ? 64.0f : kk == 1 ? 16.0f : kk == 2 ? 4.0f : 1.0f);
         uint32_t packed = 0;

@@ -1,0 +1,259 @@
+// The history warp of split-kernel variants 6-8: q·K and P·V both on the
+// integer tensor cores (D = 128, one quantization group per row, at most 4
+// query heads per kv head). Included by attend_kernels.cu only.
+//
+// Each thread (r = lane/4, c = lane%4) owns one query head, hh = c, of the
+// group, so the softmax of a chunk runs once per (token, head) instead of on
+// two lanes of each pair (HistoryWarp):
+//   q·K: m16n8k32 u8·s8 as in HistoryWarp's kIntQK, with the query digit
+//        columns paired per head (column n of tile t: digit 2t + n%2 of head
+//        n/2; the prep kernel writes this layout for int_qk == 2), so the
+//        thread's own C columns 2c, 2c+1 hold all four digits of head c.
+//   P·V: m16n8k32 u8·u8. A = 16 dims x 32 tokens of V codes as u8 values
+//        c·4^k: the thread's four loaded words (dim bytes 4r..4r+3 of tokens
+//        16τ + {2c, 2c+1, 2c+8, 2c+9}) transposed bytewise (8 PRMT per 16
+//        tokens), then one AND per 4 codes. B = P' = p·s_V in 16-bit fixed
+//        point, P' = p·s_V as base-256 digits per head, scaled per chunk by
+//        S = max p · max s_V >= max P' (the chunk's max logit is known from
+//        the softmax; max s_V is reduced off the critical path), moved from
+//        the C layout (token rows) to the B layout (token columns) with
+//        movmatrix. kDigits 3 (24 bits): tile 0 holds the two high digits
+//        (columns 2h, 2h+1), a second MMA the low one; kDigits 2 (16 bits):
+//        one MMA. int32 per chunk, added into fp32 as scl·(digits' value),
+//        scl = S / (2^(8·kDigits) − 1).
+// Accuracy: P' is kept to 2^-(8·kDigits+1) of S per token, S up to ~10x the
+// typical P' of a chunk. 16 bits measured ~1e-4 relative error vs fp64 on
+// random inputs (H200, 2026-11-29), above the tests' 1e-4 bound, so the
+// default is 24 bits; HistoryWarp (bf16 hi + lo P') measures ~2e-6.
+#ifndef OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_INT_CUH_
+#define OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_INT_CUH_
+
+#include "kernels/cuda/attend_history.cuh"
+
+namespace oscarkv {
+namespace cuda_attend {
+
+template <int D, int NG, bool G8, int kDigits = 3>
+struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
+  static_assert(kDigits == 2 || kDigits == 3, "P' digits");
+  // P' in (8 · kDigits)-bit fixed point of the chunk's bound S.
+  static constexpr float kFixedMax = kDigits == 2 ? 65535.0f : 16777215.0f;
+  static_assert(D == 128 && NG == 1 && !G8, "integer P·V: D = 128, one group, g <= 4");
+  using Base = ChunkLoads<D, NG, G8>;
+  using C = Cfg<D, NG, G8>;
+  using Regs = ChunkRegs<C, NG>;
+  using Base::c;
+  using Base::r;
+
+  uint32_t qb[2][4][2];  // query digit fragments [n-tile][code field][reg]
+  float mult, qsum;      // head c's digit-scale multiplier and Σq'
+  float m, l, vlo;       // online softmax state of head c (vlo = Σ p·min_V)
+  // P'·(V codes) of head c: [code field k][byte pair bp][row r / r+8], i.e.
+  // dim 4r + 2bp + e + 32k, times 4^k.
+  float o[4][2][2];
+
+  __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
+    const uint32_t* qf = a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (2 * 4 * 2 * 32);
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int rg = 0; rg < 2; ++rg) qb[nt][k][rg] = qf[((nt * 4 + k) * 2 + rg) * 32 + lane];
+    const bool valid = c < a.g;
+    const float* meta = a.qmeta + (size_t(item) * a.hq + h * a.g + (valid ? c : 0)) * kQueryMetaFloats;
+    mult = valid ? meta[0] : 0.0f;
+    qsum = valid ? meta[1] : 0.0f;
+    m = -INFINITY;
+    l = 0.0f;
+    vlo = 0.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k)
+#pragma unroll
+      for (int bp = 0; bp < 2; ++bp) o[k][bp][0] = o[k][bp][1] = 0.0f;
+  }
+
+  __device__ __forceinline__ void Process(const Regs& x) {
+    float lg[2][2];
+    Logits(x, lg);
+    Accumulate(x, lg);
+  }
+
+  // For benchmarks only (wrong results, ablate != 0): bit 1 skips q·K, bit 2
+  // the softmax and P·V (see HistoryWarp::Process).
+  __device__ __forceinline__ void Process(const Regs& x, int ablate) {
+    if (ablate == 0) {
+      Process(x);
+      return;
+    }
+    float lg[2][2];
+    if (ablate & 1) {
+#pragma unroll
+      for (int tau = 0; tau < 2; ++tau)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) lg[tau][e] = __uint_as_float(x.kp[2 * tau + e][0] & 0x3f7fffffu);
+    } else {
+      Logits(x, lg);
+    }
+    if (ablate & 2) {
+      uint32_t v = 0;
+#pragma unroll
+      for (int tau = 0; tau < 2; ++tau)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) v ^= x.vc[tau][i][0] ^ x.vp[i][0];
+      l += lg[0][0] + lg[0][1] + lg[1][0] + lg[1][1] + __uint_as_float(v & 0x3f7fffffu);
+    } else {
+      Accumulate(x, lg);
+    }
+  }
+
+  // Logits (base 2) of head c for tokens 16τ + r + 8e.
+  __device__ __forceinline__ void Logits(const Regs& x, float (&lg)[2][2]) const {
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      int s[2][4];
+#pragma unroll
+      for (int t = 0; t < 2; ++t)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) s[t][e] = 0;
+      const uint32_t x0 = x.kc[2 * tau][0], x0b = x.kc[2 * tau][1];
+      const uint32_t x1 = x.kc[2 * tau + 1][0], x1b = x.kc[2 * tau + 1][1];
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t msk = 0x03030303u << (2 * k);
+        const uint32_t a0 = x0 & msk, a1 = x1 & msk, a2 = x0b & msk, a3 = x1b & msk;
+#pragma unroll
+        for (int t = 0; t < 2; ++t) ImmaU8S8(s[t], a0, a1, a2, a3, qb[t][k][0], qb[t][k][1]);
+      }
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        // Digits 0..3 of head c: tile 0 columns 2c, 2c+1, tile 1 the same.
+        const float dot =
+            fmaf(static_cast<float>(s[1][2 * e + 1]), 4.76837158203125e-07f,
+                 fmaf(static_cast<float>(s[1][2 * e]), 6.103515625e-05f,
+                      fmaf(static_cast<float>(s[0][2 * e + 1]), 0.0078125f,
+                           static_cast<float>(s[0][2 * e]))));
+        const uint32_t kp = x.kp[2 * tau + e][0];
+        lg[tau][e] = fmaf(mult * ParamScale(kp), dot, ParamMin(kp) * qsum);
+      }
+    }
+  }
+
+  // Online softmax and O' += P'V for one chunk, from its logits and V half.
+  __device__ __forceinline__ void Accumulate(const Regs& x, const float (&lg)[2][2]) {
+    // The max s_V of the chunk's tokens (independent of the logits).
+    float sv[4], smax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sv[i] = ParamScale(x.vp[i][0]);
+      smax = fmaxf(smax, sv[i]);
+    }
+#pragma unroll
+    for (int off = 4; off <= 16; off <<= 1) smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, off));
+
+    float cm = fmaxf(fmaxf(lg[0][0], lg[0][1]), fmaxf(lg[1][0], lg[1][1]));
+#pragma unroll
+    for (int off = 4; off <= 16; off <<= 1) cm = fmaxf(cm, __shfl_xor_sync(kFull, cm, off));
+    const float mn = fmaxf(m, cm);
+    const float f = FastExp2(m - mn);
+    m = mn;
+    l *= f;
+    vlo *= f;
+    if (__any_sync(kFull, f != 1.0f)) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int bp = 0; bp < 2; ++bp) {
+          o[k][bp][0] *= f;
+          o[k][bp][1] *= f;
+        }
+    }
+    // P' in kBits-bit fixed point of S = (max p of the chunk) · smax >= P',
+    // as base-256 digits: tile 0 columns 2h, 2h+1 = the two high digits of
+    // head h, tile 1 (kDigits 3) column 2h = the low digit, 2h+1 = 0.
+    const float scl = FastExp2(cm - mn) * smax * (1.0f / kFixedMax);
+    const float inv = scl > 0.0f ? __frcp_rn(scl) : 0.0f;
+    uint32_t pb[kDigits - 1][2];
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      uint32_t w[2], w3[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = FastExp2(lg[tau][e] - mn);
+        l += p;
+        vlo = fmaf(p, ParamMin(x.vp[2 * tau + e][0]), vlo);
+        const uint32_t u = min(__float2uint_rn(p * sv[2 * tau + e] * inv), uint32_t(kFixedMax));
+        // (token, col 2c) = the highest digit, col 2c+1 = the next.
+        w[e] = kDigits == 2 ? Prmt(u, 0u, 0x4041u) : Prmt(u, 0u, 0x4142u);
+        w3[e] = u & 0xffu;
+      }
+      // Tokens {2c, 2c+1} (rows r) and {2c+8, 2c+9} (rows r+8) of column r.
+      pb[0][tau] = Prmt(TransposeM8N8(w[0]), TransposeM8N8(w[1]), 0x6420u);
+      if constexpr (kDigits == 3) pb[1][tau] = Prmt(TransposeM8N8(w3[0]), TransposeM8N8(w3[1]), 0x6420u);
+    }
+    // V codes: word r of tokens 16τ + {2c, 2c+1, 2c+8, 2c+9} -> t[τ][j] = dim
+    // byte 4r + j of those four tokens.
+    uint32_t t[2][4];
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      const uint32_t v0 = x.vc[tau][0][0], v1 = x.vc[tau][1][0];
+      const uint32_t v2 = x.vc[tau][2][0], v3 = x.vc[tau][3][0];
+      const uint32_t lo01 = Prmt(v0, v1, 0x5140u), hi01 = Prmt(v0, v1, 0x7362u);
+      const uint32_t lo23 = Prmt(v2, v3, 0x5140u), hi23 = Prmt(v2, v3, 0x7362u);
+      t[tau][0] = Prmt(lo01, lo23, 0x5410u);
+      t[tau][1] = Prmt(lo01, lo23, 0x7632u);
+      t[tau][2] = Prmt(hi01, hi23, 0x5410u);
+      t[tau][3] = Prmt(hi01, hi23, 0x7632u);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t msk = 0x03030303u << (2 * k);
+#pragma unroll
+      for (int bp = 0; bp < 2; ++bp) {
+        const uint32_t a0 = t[0][2 * bp] & msk, a1 = t[0][2 * bp + 1] & msk;
+        const uint32_t a2 = t[1][2 * bp] & msk, a3 = t[1][2 * bp + 1] & msk;
+        int acc[4];
+        ImmaU8U8(acc, a0, a1, a2, a3, pb[0][0], pb[0][1]);
+        // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
+        float hi[2] = {static_cast<float>(acc[0] * 256 + acc[1]),
+                       static_cast<float>(acc[2] * 256 + acc[3])};
+        if constexpr (kDigits == 3) {
+          int acc3[4];
+          ImmaU8U8(acc3, a0, a1, a2, a3, pb[1][0], pb[1][1]);
+          hi[0] = fmaf(hi[0], 256.0f, static_cast<float>(acc3[0]));
+          hi[1] = fmaf(hi[1], 256.0f, static_cast<float>(acc3[2]));
+        }
+        o[k][bp][0] = fmaf(scl, hi[0], o[k][bp][0]);
+        o[k][bp][1] = fmaf(scl, hi[1], o[k][bp][1]);
+      }
+    }
+  }
+
+  // Reduces l and vlo over the warp and writes head c's (m, l, acc) into
+  // shared memory (acc in the rotated basis, un-normalized).
+  __device__ void Finish(int g, float (*sm_o)[D], float* sm_m, float* sm_l) {
+#pragma unroll
+    for (int off = 4; off <= 16; off <<= 1) {
+      l += __shfl_xor_sync(kFull, l, off);
+      vlo += __shfl_xor_sync(kFull, vlo, off);
+    }
+    if (c >= g) return;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float ks = k == 0 ? 1.0f : k == 1 ? 0.25f : k == 2 ? 0.0625f : 0.015625f;
+#pragma unroll
+      for (int bp = 0; bp < 2; ++bp)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) sm_o[c][4 * r + 2 * bp + e + 32 * k] = fmaf(ks, o[k][bp][e], vlo);
+    }
+    if (r == 0) {
+      sm_m[c] = m;
+      sm_l[c] = l;
+    }
+  }
+};
+
+}  // namespace cuda_attend
+}  // namespace oscarkv
+
+#endif  // OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_INT_CUH_
