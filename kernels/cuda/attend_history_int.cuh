@@ -128,11 +128,12 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         // Digits 0..3 of head c: tile 0 columns 2c, 2c+1, tile 1 the same.
-        const float dot =
-            fmaf(static_cast<float>(s[1][2 * e + 1]), 4.76837158203125e-07f,
-                 fmaf(static_cast<float>(s[1][2 * e]), 6.103515625e-05f,
-                      fmaf(static_cast<float>(s[0][2 * e + 1]), 0.0078125f,
-                           static_cast<float>(s[0][2 * e]))));
+        // Pairs combined in int32 (|s| <= 128 · 192 · 64 < 2^21, so 128·s
+        // + s' < 2^29): dot = (128 d0 + d1) / 128 + (128 d2 + d3) / 128^3.
+        const int v01 = s[0][2 * e] * 128 + s[0][2 * e + 1];
+        const int v23 = s[1][2 * e] * 128 + s[1][2 * e + 1];
+        const float dot = fmaf(static_cast<float>(v23), 4.76837158203125e-07f,
+                               static_cast<float>(v01) * 0.0078125f);
         const uint32_t kp = x.kp[2 * tau + e][0];
         lg[tau][e] = fmaf(mult * ParamScale(kp), dot, ParamMin(kp) * qsum);
       }
