@@ -13,6 +13,9 @@
 //       min_V part is a per-head scalar Σ p·min_V.
 // Every code byte and parameter of the page is read from memory exactly once
 // for the whole GQA group (the group is the MMA's N dimension).
+// That is HistoryWarp (attend_history.cuh). The default for D = 128, G = D and
+// at most 4 query heads per kv head is HistoryWarpIntPv
+// (attend_history_int.cuh): both products on the integer tensor cores.
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_DEVICE_CUH_
 #define OSCARKV_KERNELS_CUDA_ATTEND_DEVICE_CUH_
 

@@ -13,18 +13,17 @@
 //        c·4^k: the thread's four loaded words (dim bytes 4r..4r+3 of tokens
 //        16τ + {2c, 2c+1, 2c+8, 2c+9}) transposed bytewise (8 PRMT per 16
 //        tokens), then one AND per 4 codes. B = P' = p·s_V in 16-bit fixed
-//        point, P' = p·s_V as base-256 digits per head, scaled per chunk by
-//        S = max p · max s_V >= max P' (the chunk's max logit is known from
-//        the softmax; max s_V is reduced off the critical path), moved from
-//        the C layout (token rows) to the B layout (token columns) with
-//        movmatrix. kDigits 3 (24 bits): tile 0 holds the two high digits
-//        (columns 2h, 2h+1), a second MMA the low one; kDigits 2 (16 bits):
-//        one MMA. int32 per chunk, added into fp32 as scl·(digits' value),
-//        scl = S / (2^(8·kDigits) − 1).
-// Accuracy: P' is kept to 2^-(8·kDigits+1) of S per token, S up to ~10x the
-// typical P' of a chunk. 16 bits measured ~1e-4 relative error vs fp64 on
-// random inputs (H200, 2026-11-29), above the tests' 1e-4 bound, so the
-// default is 24 bits; HistoryWarp (bf16 hi + lo P') measures ~2e-6.
+//        point, P' = p·s_V as three base-256 digits per head, scaled per
+//        chunk by S = max p · max s_V >= max P' (the chunk's max logit is
+//        known from the softmax; max s_V is reduced off the critical path),
+//        moved from the C layout (token rows) to the B layout (token columns)
+//        with movmatrix. One MMA takes the two high digits (columns 2h,
+//        2h+1), a second the low one (columns 2h; 2h+1 are zero). int32 per
+//        chunk, added into fp32 as scl·(digits' value), scl = S / (2^24 − 1).
+// Accuracy: P' is kept to 2^-25 of S per token, S up to ~10x the typical P'
+// of a chunk: 1.2e-6 relative error vs fp64 (Qwen3 shape, H200, 2026-11-29;
+// HistoryWarp's bf16 hi + lo P': 2.2e-6). Two digits (16 bits, one MMA)
+// measured 1.0e-4, over the tests' 1e-4 bound (tests/bench/RESULTS.md, run 11).
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_INT_CUH_
 #define OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_INT_CUH_
 
@@ -33,11 +32,10 @@
 namespace oscarkv {
 namespace cuda_attend {
 
-template <int D, int NG, bool G8, int kDigits = 3>
+template <int D, int NG, bool G8>
 struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
-  static_assert(kDigits == 2 || kDigits == 3, "P' digits");
-  // P' in (8 · kDigits)-bit fixed point of the chunk's bound S.
-  static constexpr float kFixedMax = kDigits == 2 ? 65535.0f : 16777215.0f;
+  // P' in 24-bit fixed point of the chunk's bound S.
+  static constexpr float kFixedMax = 16777215.0f;
   static_assert(D == 128 && NG == 1 && !G8, "integer P·V: D = 128, one group, g <= 4");
   using Base = ChunkLoads<D, NG, G8>;
   using C = Cfg<D, NG, G8>;
@@ -169,15 +167,15 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
           o[k][bp][1] *= f;
         }
     }
-    // P' in kBits-bit fixed point of S = (max p of the chunk) · smax >= P',
+    // P' in 24-bit fixed point of S = (max p of the chunk) · smax >= P',
     // as base-256 digits: tile 0 columns 2h, 2h+1 = the two high digits of
-    // head h, tile 1 (kDigits 3) column 2h = the low digit, 2h+1 = 0.
+    // head h, tile 1 column 2h = the low digit, 2h+1 = 0.
     const float scl = FastExp2(cm - mn) * smax * (1.0f / kFixedMax);
     const float inv = scl > 0.0f ? __frcp_rn(scl) : 0.0f;
-    uint32_t pb[kDigits - 1][2];
+    uint32_t pb[2][2];
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
-      uint32_t w[2], w3[2];
+      uint32_t w[2], wlo[2];
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
         const float p = FastExp2(lg[tau][e] - mn);
@@ -185,12 +183,12 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
         vlo = fmaf(p, ParamMin(x.vp[2 * tau + e][0]), vlo);
         const uint32_t u = min(__float2uint_rn(p * sv[2 * tau + e] * inv), uint32_t(kFixedMax));
         // (token, col 2c) = the highest digit, col 2c+1 = the next.
-        w[e] = kDigits == 2 ? Prmt(u, 0u, 0x4041u) : Prmt(u, 0u, 0x4142u);
-        w3[e] = u & 0xffu;
+        w[e] = Prmt(u, 0u, 0x4142u);
+        wlo[e] = u & 0xffu;  // col 2c = the low digit, col 2c+1 = 0
       }
       // Tokens {2c, 2c+1} (rows r) and {2c+8, 2c+9} (rows r+8) of column r.
       pb[0][tau] = Prmt(TransposeM8N8(w[0]), TransposeM8N8(w[1]), 0x6420u);
-      if constexpr (kDigits == 3) pb[1][tau] = Prmt(TransposeM8N8(w3[0]), TransposeM8N8(w3[1]), 0x6420u);
+      pb[1][tau] = Prmt(TransposeM8N8(wlo[0]), TransposeM8N8(wlo[1]), 0x6420u);
     }
     // V codes: word r of tokens 16τ + {2c, 2c+1, 2c+8, 2c+9} -> t[τ][j] = dim
     // byte 4r + j of those four tokens.
@@ -213,19 +211,16 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       for (int bp = 0; bp < 2; ++bp) {
         const uint32_t a0 = t[0][2 * bp] & msk, a1 = t[0][2 * bp + 1] & msk;
         const uint32_t a2 = t[1][2 * bp] & msk, a3 = t[1][2 * bp + 1] & msk;
-        int acc[4];
+        int acc[4], acc3[4];
         ImmaU8U8(acc, a0, a1, a2, a3, pb[0][0], pb[0][1]);
+        ImmaU8U8(acc3, a0, a1, a2, a3, pb[1][0], pb[1][1]);
         // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
-        float hi[2] = {static_cast<float>(acc[0] * 256 + acc[1]),
-                       static_cast<float>(acc[2] * 256 + acc[3])};
-        if constexpr (kDigits == 3) {
-          int acc3[4];
-          ImmaU8U8(acc3, a0, a1, a2, a3, pb[1][0], pb[1][1]);
-          hi[0] = fmaf(hi[0], 256.0f, static_cast<float>(acc3[0]));
-          hi[1] = fmaf(hi[1], 256.0f, static_cast<float>(acc3[2]));
-        }
-        o[k][bp][0] = fmaf(scl, hi[0], o[k][bp][0]);
-        o[k][bp][1] = fmaf(scl, hi[1], o[k][bp][1]);
+        const float hi0 = fmaf(static_cast<float>(acc[0] * 256 + acc[1]), 256.0f,
+                               static_cast<float>(acc3[0]));
+        const float hi1 = fmaf(static_cast<float>(acc[2] * 256 + acc[3]), 256.0f,
+                               static_cast<float>(acc3[2]));
+        o[k][bp][0] = fmaf(scl, hi0, o[k][bp][0]);
+        o[k][bp][1] = fmaf(scl, hi1, o[k][bp][1]);
       }
     }
   }
