@@ -38,7 +38,7 @@ struct LaunchArgs {
   int g;                 // query heads per kv head
   int hq;                // query heads
   float scale_log2;      // scale * log2(e)
-  uint32_t* qfrag;       // [item][h][NT][KS][2][32]
+  uint32_t* qfrag;       // [item][h][NT][KS][2][32]; integer formats [item][h][2][4][2][32]
   float* qmeta;          // [item][Hq][kQueryMetaFloats]
   float* qexact;         // [item][Hq][D], scaled by scale_log2
   float* partials;       // [partial][PartialFloats(g, D)]

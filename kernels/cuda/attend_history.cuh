@@ -166,37 +166,9 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
     Accumulate(x, lg);
   }
 
-  // Process, or for benchmarks only (wrong results, ablate != 0): bit 1 skips
-  // q·K (logits from the raw K params), bit 2 skips the softmax and P·V (the
-  // logits are only summed), so the time of each part can be measured in place.
-  __device__ __forceinline__ void Process(const Regs& x, int ablate) {
-    if (ablate == 0) {
-      Process(x);
-      return;
-    }
-    float lg[2][4];
-    if (ablate & 1) {
-#pragma unroll
-      for (int tau = 0; tau < 2; ++tau)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          lg[tau][e] = __uint_as_float(x.kp[2 * tau + (e >> 1)][0] & 0x3f7fffffu);
-        }
-    } else {
-      Logits(x, lg);
-    }
-    if (ablate & 2) {
-      uint32_t v = 0;
-#pragma unroll
-      for (int tau = 0; tau < 2; ++tau)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v ^= x.vc[tau][i][0] ^ x.vp[i][0];
-      l[0] += lg[0][0] + lg[0][1] + lg[0][2] + lg[0][3] + lg[1][0] + lg[1][1] + lg[1][2] +
-              lg[1][3] + __uint_as_float(v & 0x3f7fffffu);
-    } else {
-      Accumulate(x, lg);
-    }
-  }
+  // For ProcessChunk's benchmark stand-ins.
+  static constexpr int kLogitsPerTile = 4;
+  __device__ __forceinline__ float& AblationSink() { return l[0]; }
 
   // Logits (base 2) of tokens {r, r+8} of each 16-token tile, heads hh0 + (j & 1),
   // from the K half of a chunk. No state is touched.
@@ -471,6 +443,45 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
     }
   }
 };
+
+// W::Process(x), or for benchmarks only (wrong results, ablate != 0): bit 1
+// skips q·K (logits from the raw K params), bit 2 skips the softmax and P·V
+// (the logits and V bytes are only summed into W::AblationSink()), so the
+// time of each part can be measured in place. W is a history warp with Regs,
+// kLogitsPerTile (logits per thread per 16-token tile), Logits, Accumulate.
+template <class W>
+__device__ __forceinline__ void ProcessChunk(W& w, const typename W::Regs& x, int ablate) {
+  if (ablate == 0) {
+    w.Process(x);
+    return;
+  }
+  constexpr int E = W::kLogitsPerTile;
+  float lg[2][E];
+  if (ablate & 1) {
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau)
+#pragma unroll
+      for (int e = 0; e < E; ++e) {
+        lg[tau][e] = __uint_as_float(x.kp[2 * tau + 2 * e / E][0] & 0x3f7fffffu);
+      }
+  } else {
+    w.Logits(x, lg);
+  }
+  if (ablate & 2) {
+    uint32_t v = 0;
+    float sum = 0.0f;
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) v ^= x.vc[tau][i][0] ^ x.vp[i][0];
+#pragma unroll
+      for (int e = 0; e < E; ++e) sum += lg[tau][e];
+    }
+    w.AblationSink() += sum + __uint_as_float(v & 0x3f7fffffu);
+  } else {
+    w.Accumulate(x, lg);
+  }
+}
 
 }  // namespace cuda_attend
 }  // namespace oscarkv

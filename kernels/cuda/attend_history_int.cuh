@@ -1,4 +1,4 @@
-// The history warp of split-kernel variants 6-8: q·K and P·V both on the
+// The history warp of split-kernel variants 6 and 7: q·K and P·V both on the
 // integer tensor cores (D = 128, one quantization group per row, at most 4
 // query heads per kv head). Included by attend_kernels.cu only.
 //
@@ -12,20 +12,26 @@
 //   P·V: m16n8k32 u8·u8. A = 16 dims x 32 tokens of V codes as u8 values
 //        c·4^k: the thread's four loaded words (dim bytes 4r..4r+3 of tokens
 //        16τ + {2c, 2c+1, 2c+8, 2c+9}) transposed bytewise (8 PRMT per 16
-//        tokens), then one AND per 4 codes. B = P' = p·s_V in 16-bit fixed
-//        point, P' = p·s_V as three base-256 digits per head, scaled per
+//        tokens), then one AND per 4 codes. B = P' = p·s_V in 24-bit fixed
+//        point, as three base-256 digits per head, scaled per
 //        chunk by S = max p · max s_V >= max P' (the chunk's max logit is
 //        known from the softmax; max s_V is reduced off the critical path),
 //        moved from the C layout (token rows) to the B layout (token columns)
 //        with movmatrix. One MMA takes the two high digits (columns 2h,
 //        2h+1), a second the low one (columns 2h; 2h+1 are zero). int32 per
 //        chunk, added into fp32 as scl·(digits' value), scl = S / (2^24 − 1).
-// Accuracy: P' is kept to 2^-25 of S per token, S up to ~10x the typical P'
-// of a chunk: 1.2e-6 relative error vs fp64 (Qwen3 shape, H200, 2026-11-29;
+// Accuracy: P' is kept to about 2^-23 of S per token (rounding to the grid
+// plus the fp32 product p·s_V·(1/scl)), S up to ~10x the typical P' of a
+// chunk: 1.2e-6 relative error vs fp64 (Qwen3 shape, H200, 2026-11-29;
 // HistoryWarp's bf16 hi + lo P': 2.2e-6). Two digits (16 bits, one MMA)
 // measured 1.0e-4, over the tests' 1e-4 bound (tests/bench/RESULTS.md, run 11).
+// Unlike HistoryWarp, a NaN V scale (a corrupt page; the encoder writes
+// finite scales >= 0) drops that token's P'·codes term instead of turning the
+// output into NaN; its min term still counts.
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_INT_CUH_
 #define OSCARKV_KERNELS_CUDA_ATTEND_HISTORY_INT_CUH_
+
+#include <cfloat>
 
 #include "kernels/cuda/attend_history.cuh"
 
@@ -77,33 +83,9 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
     Accumulate(x, lg);
   }
 
-  // For benchmarks only (wrong results, ablate != 0): bit 1 skips q·K, bit 2
-  // the softmax and P·V (see HistoryWarp::Process).
-  __device__ __forceinline__ void Process(const Regs& x, int ablate) {
-    if (ablate == 0) {
-      Process(x);
-      return;
-    }
-    float lg[2][2];
-    if (ablate & 1) {
-#pragma unroll
-      for (int tau = 0; tau < 2; ++tau)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) lg[tau][e] = __uint_as_float(x.kp[2 * tau + e][0] & 0x3f7fffffu);
-    } else {
-      Logits(x, lg);
-    }
-    if (ablate & 2) {
-      uint32_t v = 0;
-#pragma unroll
-      for (int tau = 0; tau < 2; ++tau)
-#pragma unroll
-        for (int i = 0; i < 4; ++i) v ^= x.vc[tau][i][0] ^ x.vp[i][0];
-      l += lg[0][0] + lg[0][1] + lg[1][0] + lg[1][1] + __uint_as_float(v & 0x3f7fffffu);
-    } else {
-      Accumulate(x, lg);
-    }
-  }
+  // For ProcessChunk's benchmark stand-ins.
+  static constexpr int kLogitsPerTile = 2;
+  __device__ __forceinline__ float& AblationSink() { return l; }
 
   // Logits (base 2) of head c for tokens 16τ + r + 8e.
   __device__ __forceinline__ void Logits(const Regs& x, float (&lg)[2][2]) const {
@@ -171,7 +153,9 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
     // as base-256 digits: tile 0 columns 2h, 2h+1 = the two high digits of
     // head h, tile 1 column 2h = the low digit, 2h+1 = 0.
     const float scl = FastExp2(cm - mn) * smax * (1.0f / kFixedMax);
-    const float inv = scl > 0.0f ? __frcp_rn(scl) : 0.0f;
+    // A scl too small to invert (S below ~2^-102, so p is negligible against
+    // l >= 1) drops the chunk's P' terms, as when the exp2 flushes to 0.
+    const float inv = scl >= FLT_MIN ? __frcp_rn(scl) : 0.0f;
     uint32_t pb[2][2];
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {

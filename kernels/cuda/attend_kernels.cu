@@ -171,10 +171,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           const int ablate = a.ablate;
           const bool loads = !(ablate & 4);
           while (true) {
-            hw.Process(ra, ablate);
+            ProcessChunk(hw, ra, ablate);
             if (++it >= iters) break;
             if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
-            hw.Process(rb, ablate);
+            ProcessChunk(hw, rb, ablate);
             if (++it >= iters) break;
             if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
           }
@@ -286,8 +286,9 @@ auto SplitKernelFor(int variant) {
     if (variant == 1) return &SplitKernel<D, NG, G8, 4, false>;
   }
   if constexpr (D == 128 && NG == 1 && !G8) {
-    if (variant == 6) return &SplitKernel<D, NG, G8, 3, true, false, true, true>;
-    if (variant == 7) return &SplitKernel<D, NG, G8, 4, true, false, true, true>;
+    // kInt is HistoryWarp's; HistoryWarpIntPv always runs q·K on integers.
+    if (variant == 6) return &SplitKernel<D, NG, G8, 3, true, false, false, true>;
+    if (variant == 7) return &SplitKernel<D, NG, G8, 4, true, false, false, true>;
   }
   if constexpr (D == 128 && !G8) {
     if (variant == 3 || variant == 6 || variant == 7) {

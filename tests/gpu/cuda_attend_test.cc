@@ -4,8 +4,10 @@
 // Stated tolerances (measured figures are printed):
 //   ‖o_gpu − o_ref‖ / ‖o_ref‖ < 1e-4 per item, |lse_gpu − lse_ref| < 1e-4,
 //   and the same against the CPU backend. The GPU computes q·k with fp16
-//   hi/lo query columns and exact codes (fp32-level), p·v with bf16 hi/lo
-//   probabilities (~2^-17 per term): errors stay around 1e-6..1e-5.
+//   hi/lo query columns or int8 query digits and exact codes (fp32-level),
+//   p·v with bf16 hi/lo probabilities (~2^-17 per term) or, the default for
+//   D = 128, G = D, g <= 4, with P' as 24-bit fixed point of each chunk's
+//   bound (~2^-23 of it per term): errors stay around 1e-6..1e-5.
 // Outputs are poisoned with NaN before each run; every element must be finite.
 #include <cmath>
 #include <cstdio>
@@ -13,6 +15,7 @@
 #include <cstring>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "gtest/gtest.h"
@@ -52,6 +55,10 @@ struct Config {
   int dim, gqa, group, kv_heads, sink, window, page_tokens;
   bool per_head;
   std::vector<int> lengths;
+  float q_sigma = 1.5f;  // spread of the random queries (larger: peakier attention)
+  // > 0: the V rows of tokens t with (t / zero_v_run) % zero_v_every == 0 are
+  // zero (V scale 0).
+  int zero_v_every = 0, zero_v_run = 1;
 };
 
 struct Errors {
@@ -104,7 +111,11 @@ Errors RunConfig(const Config& cf, uint64_t seed, int repeats = 1) {
     tiers[i] = SplitTiers(T, cf.sink, cf.window, P);
     ks[i] = RandomKvRows(size_t(T) * H, D, rng);
     vs[i] = RandomKvRows(size_t(T) * H, D, rng);
-    std::normal_distribution<float> nd(0.0f, 1.5f);
+    for (int t = 0; cf.zero_v_every > 0 && t < T; ++t) {
+      if ((t / cf.zero_v_run) % cf.zero_v_every != 0) continue;
+      std::fill(vs[i].begin() + size_t(t) * row, vs[i].begin() + size_t(t + 1) * row, bf16_bits{0});
+    }
+    std::normal_distribution<float> nd(0.0f, cf.q_sigma);
     qs[i].resize(size_t(Hq) * D);
     for (auto& x : qs[i]) x = nd(rng);
     auto add_exact = [&](int t0, int count) {
@@ -263,7 +274,7 @@ TEST_P(CudaAttendTest, MatchesCpuBackendAndFp64ReferenceAroundTierBoundaries) {
 
 INSTANTIATE_TEST_SUITE_P(HeadDimGqaGroups, CudaAttendTest,
                          ::testing::Combine(::testing::Values(64, 128, 256),
-                                            ::testing::Values(1, 4, 8), ::testing::Values(1, 2, 4)),
+                                            ::testing::Values(1, 2, 4, 8), ::testing::Values(1, 2, 4)),
                          [](const auto& info) {
                            return "D" + std::to_string(std::get<0>(info.param)) + "_g" +
                                   std::to_string(std::get<1>(info.param)) + "_groups" +
@@ -278,6 +289,29 @@ TEST(CudaAttendDefaults, Qwen3ShapeWithDefaultTiersMatchesReference) {
               e.cpu_ref, e.lse_gpu_ref);
   EXPECT_LT(e.gpu_ref, 1e-4);
   EXPECT_LT(e.lse_gpu_ref, 1e-4);
+}
+
+// Edge cases of the default history path for this shape (integer P·V):
+// pages of 64 tokens (two 32-token chunks each), peakier attention (queries
+// with 3x the usual spread, so p spreads widely inside a chunk), and zero V
+// rows (V scale 0): every 5th token, or runs of 64 tokens every other run
+// (whole chunks whose max s_V is 0).
+TEST(CudaAttendDefaults, LongPagesPeakyAttentionAndZeroValueRowsMatchReference) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  for (const auto [every, run] : {std::pair{5, 1}, std::pair{2, 64}}) {
+    Config cf{128, 4, 128, 2, 8, 40, 64, false, {0, 100, 300, 1000, 2500}};
+    cf.q_sigma = 4.5f;
+    cf.zero_v_every = every;
+    cf.zero_v_run = run;
+    const Errors e = RunConfig(cf, 91 + run);
+    std::printf("P=64, q x3, zero V rows (every %d of runs of %d): rel err gpu/ref %.2e "
+                "cpu/ref %.2e gpu/cpu %.2e, lse gpu/ref %.2e\n",
+                every, run, e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.lse_gpu_ref);
+    EXPECT_LT(e.gpu_ref, 1e-4);
+    EXPECT_LT(e.gpu_cpu, 1e-4);
+    EXPECT_LT(e.lse_gpu_ref, 1e-4);
+    EXPECT_LT(e.lse_gpu_cpu, 1e-4);
+  }
 }
 
 // Exact blocks riding on the history units (forced with
