@@ -13,9 +13,9 @@
 //        c·4^k: the thread's four loaded words (dim bytes 4r..4r+3 of tokens
 //        16τ + {2c, 2c+1, 2c+8, 2c+9}) transposed bytewise (8 PRMT per 16
 //        tokens), then one AND per 4 codes. B = P' = p·s_V in 24-bit fixed
-//        point, as three base-256 digits per head, scaled per
-//        chunk by S = max p · max s_V >= max P' (the chunk's max logit is
-//        known from the softmax; max s_V is reduced off the critical path),
+//        point, as three base-256 digits per head, scaled per chunk by
+//        S = max p · max s_V >= max P' (the chunk's max logit is known from
+//        the softmax; max s_V is reduced off the critical path),
 //        moved from the C layout (token rows) to the B layout (token columns)
 //        with movmatrix. One MMA takes the two high digits (columns 2h,
 //        2h+1), a second the low one (columns 2h; 2h+1 are zero). int32 per
@@ -195,14 +195,14 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       for (int bp = 0; bp < 2; ++bp) {
         const uint32_t a0 = t[0][2 * bp] & msk, a1 = t[0][2 * bp + 1] & msk;
         const uint32_t a2 = t[1][2 * bp] & msk, a3 = t[1][2 * bp + 1] & msk;
-        int acc[4], acc3[4];
+        int acc[4], acc_lo[4];
         ImmaU8U8(acc, a0, a1, a2, a3, pb[0][0], pb[0][1]);
-        ImmaU8U8(acc3, a0, a1, a2, a3, pb[1][0], pb[1][1]);
+        ImmaU8U8(acc_lo, a0, a1, a2, a3, pb[1][0], pb[1][1]);
         // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
         const float hi0 = fmaf(static_cast<float>(acc[0] * 256 + acc[1]), 256.0f,
-                               static_cast<float>(acc3[0]));
+                               static_cast<float>(acc_lo[0]));
         const float hi1 = fmaf(static_cast<float>(acc[2] * 256 + acc[3]), 256.0f,
-                               static_cast<float>(acc3[2]));
+                               static_cast<float>(acc_lo[2]));
         o[k][bp][0] = fmaf(scl, hi0, o[k][bp][0]);
         o[k][bp][1] = fmaf(scl, hi1, o[k][bp][1]);
       }

@@ -110,8 +110,9 @@ class AttendLauncher {
   void set_fold_exact(cuda_attend::FoldExact mode) { fold_exact_ = mode; }
 
   // For benchmarks only, results are wrong: parts of the history loop of
-  // variants 0, 3 and 5-7 (D <= 128) to skip, to time the rest in place (bit 1: q·K,
-  // bit 2: softmax and P·V, bit 4: the loads after the first two chunks).
+  // variants 0, 3 and 5-7 (D <= 128) to skip, to time the rest in place
+  // (bit 1: q·K, bit 2: softmax and P·V, bit 4: the loads after the first
+  // two chunks).
   // Takes effect at the next Prepare().
   void set_ablate(int bits) { ablate_ = bits; }
 

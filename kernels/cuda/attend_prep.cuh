@@ -35,8 +35,8 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
   if (int_format) {
     // B fragments of the m16n8k32 u8·s8 MMA: n-tile t, k-step = code field kk,
     // register rg = bytes [4rg, 4rg+4) of thread c's 8 code bytes; column n
-    // as below; byte b holds the digit of dim
-    // d = 8c + 4rg + b + 32kk, where v = q'·inv·4^(3-kk) = Σ_j digit_j·128^-j.
+    // as below; byte b holds the digit of dim d = 8c + 4rg + b + 32kk, where
+    // v = q'·inv·4^(3-kk) = Σ_j digit_j·128^-j.
     uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * (2 * 4 * 2 * 32);
     for (int idx = threadIdx.x; idx < 2 * 4 * 2 * 32; idx += blockDim.x) {
       const int ln = idx & 31, rg = (idx >> 5) & 1, kk = (idx >> 6) & 3, t = idx >> 8;

@@ -75,7 +75,7 @@ grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
 # for D = 128, g <= 4 only (7 for G = D only).
 for v in 3 $([ "$quick" = 1 ] || echo 4 7); do
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
-    --gtest_filter='*D128_g1*:*D128_g4*:CudaAttendDefaults.*' \
+    --gtest_filter='*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*' \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
   grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant$v.log" | head -20
 done
