@@ -210,8 +210,7 @@ class CudaBackend final : public Backend {
   absl::Status EndCopyBatch() override {
     if (tl_copy_batch != this) return absl::OkStatus();
     tl_copy_batch = nullptr;
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));
+    OSCARKV_RETURN_IF_ERROR(ReadyToEnqueue());
     if (ring_.failures() != tl_copy_batch_failures) return ring_.last_failure();
     return absl::OkStatus();
   }
@@ -242,8 +241,7 @@ class CudaBackend final : public Backend {
     }
     if (num_jobs == 0) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));  // deferred copies first (the blocks' rows)
+    OSCARKV_RETURN_IF_ERROR(ReadyToEnqueue());
     OSCARKV_ASSIGN_OR_RETURN(void* dev_jobs,
                              jobs_.Upload(jobs, sizeof(EncodeJob) * num_jobs, stream_));
     OSCARKV_RETURN_IF_ERROR(
@@ -265,8 +263,7 @@ class CudaBackend final : public Backend {
     }
     if (num_jobs == 0) return absl::OkStatus();
     std::lock_guard<std::mutex> lock(mu_);
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));
+    OSCARKV_RETURN_IF_ERROR(ReadyToEnqueue());
     OSCARKV_ASSIGN_OR_RETURN(void* dev_jobs,
                              jobs_.Upload(jobs, sizeof(DecodeJob) * num_jobs, stream_));
     OSCARKV_RETURN_IF_ERROR(
@@ -276,8 +273,7 @@ class CudaBackend final : public Backend {
 
   absl::Status Attend(const AttendBatch& batch) override {
     std::lock_guard<std::mutex> lock(mu_);
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
-    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));  // deferred copies first
+    OSCARKV_RETURN_IF_ERROR(ReadyToEnqueue());
     // One upload (queries, tables), the kernels (which write the outputs to
     // pinned host memory), one wait.
     OSCARKV_RETURN_IF_ERROR(launcher_->Prepare(batch, stream_));
@@ -288,6 +284,14 @@ class CudaBackend final : public Backend {
   }
 
  private:
+  // Before anything is enqueued on stream_: this device current, and the
+  // copies the ring deferred issued first, so that stream order is call order
+  // (an encode reads the rows its demotion's appends copied).
+  absl::Status ReadyToEnqueue() {
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaSetDevice(device_));
+    return ring_.Flush(stream_);
+  }
+
   // Small host-to-device copies go through the pinned ring (no wait). Others
   // wait only where the caller needs it: copies to the host, and copies from
   // pinned host memory (which the DMA reads after the call). A copy from
@@ -303,7 +307,7 @@ class CudaBackend final : public Backend {
                                ring_.Copy(dst, src, bytes, stream_, tl_copy_batch == this));
       if (staged) return absl::OkStatus();
     }
-    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));  // deferred copies first
+    OSCARKV_RETURN_IF_ERROR(ring_.Flush(stream_));  // as in ReadyToEnqueue (device already set)
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpyAsync(dst, src, bytes, kind, stream_));
     bool wait = kind == cudaMemcpyDeviceToHost;
     if (kind == cudaMemcpyHostToDevice) {

@@ -413,22 +413,20 @@ int Main(int argc, char** argv) {
       for (int s = 0; s < sets; ++s) {
         for (int b = 0; b < sh.batch; ++b) items[s][b].page_table_id = named ? next_table_id++ : 0;
       }
+      auto since = [](std::chrono::steady_clock::time_point a) {
+        return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a)
+            .count();
+      };
       CallTimes ct;
       std::vector<double> call;
       for (int i = 0; i < 30 + sets; ++i) {
         const auto a = std::chrono::steady_clock::now();
         CKS(backend.Attend(AttendBatch{geom, Hq, scale, items[i % sets].data(), sh.batch}));
-        if (i >= sets) {  // after each set's first call (which uploads its named tables)
-          call.push_back(std::chrono::duration<double, std::micro>(
-                             std::chrono::steady_clock::now() - a).count());
-        }
+        // After each set's first call (which uploads its named tables).
+        if (i >= sets) call.push_back(since(a));
       }
       ct.call_us = Median(call);
       std::vector<double> t[4];
-      auto since = [](std::chrono::steady_clock::time_point a) {
-        return std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - a)
-            .count();
-      };
       for (int i = 0; i < 30; ++i) {
         AttendLauncher& L = *launchers[i % sets];
         const AttendBatch batch{geom, Hq, scale, items[i % sets].data(), sh.batch};
