@@ -628,6 +628,160 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// A prepared launch replayed without a new Prepare (directly, and as a CUDA
+// graph, as attend_kernels.h allows) reads the pages as they are on the
+// device at that time: after the pages' contents change, each replay equals
+// a new Prepare + Launch, bit for bit. The batch mixes an item with history
+// and exact blocks, one with one page (a single unit per kv head), one with
+// exact blocks only and an empty one; the first results match the CPU.
+TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  for (const int g : {1, 2, 4, 8}) {
+    SCOPED_TRACE("g = " + std::to_string(g));
+    const int H = 2, D = 128, Hq = H * g;
+    const PageGeometry geom{H, D, D, 32};
+    const float scale = 1.0f / std::sqrt(float(D));
+    const size_t block_elems = geom.exact_block_bytes() / 2;
+    std::mt19937_64 rng(500 + g);
+    std::vector<float> rot(2 * size_t(D) * D);
+    for (int m = 0; m < 2; ++m) {
+      const auto r = RandomOrthogonal(D, rng);
+      std::memcpy(&rot[size_t(m) * D * D], r.data(), r.size() * 4);
+    }
+    const RotationRef rot_host{rot.data(), rot.data() + size_t(D) * D, 0};
+    auto rot_dev = Upload(*gpu, rot);
+    ASSERT_TRUE(rot_dev.ok());
+    const RotationRef rot_gpu{rot_dev->as<float>(), rot_dev->as<float>() + size_t(D) * D, 0};
+    const int kPages = 300, kBlocks = 3;
+    std::vector<bf16_bits> staging = RandomKvRows(size_t(kPages + kBlocks) * block_elems / D, D, rng);
+    std::vector<uint8_t> pages_host(size_t(kPages) * geom.page_bytes());
+    CpuBackend cpu(2);
+    std::vector<EncodeJob> jobs(kPages);
+    for (int p = 0; p < kPages; ++p) {
+      jobs[p] = EncodeJob{&staging[p * block_elems], &pages_host[p * geom.page_bytes()], rot_host,
+                          0.96f, 0.92f};
+    }
+    ASSERT_TRUE(cpu.EncodePages(geom, jobs.data(), kPages).ok());
+    staging.erase(staging.begin(), staging.begin() + size_t(kPages) * block_elems);  // the exact blocks
+    auto pages_dev = Upload(*gpu, pages_host);
+    auto blocks_dev = Upload(*gpu, staging);
+    ASSERT_TRUE(pages_dev.ok() && blocks_dev.ok());
+    std::vector<const uint8_t*> pg;
+    for (int p = 0; p < kPages; ++p) pg.push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
+    std::vector<ExactBlockRef> ex;
+    for (int b = 0; b < kBlocks; ++b) ex.push_back({blocks_dev->as<bf16_bits>() + b * block_elems, 32 - 7 * b});
+    const int n = 4;
+    std::vector<float> q(size_t(n) * Hq * D);
+    std::normal_distribution<float> nd(0.0f, 1.5f);
+    for (float& x : q) x = nd(rng);
+    std::vector<float> out(size_t(n) * Hq * D), lse(size_t(n) * Hq);
+    std::vector<AttendItem> items(n);
+    for (int i = 0; i < n; ++i) {
+      items[i] = AttendItem{&q[size_t(i) * Hq * D], &out[size_t(i) * Hq * D], &lse[size_t(i) * Hq],
+                            rot_gpu};
+    }
+    items[0].exact = ex.data();
+    items[0].num_exact = kBlocks;
+    items[0].pages = pg.data();
+    items[0].num_pages = kPages;
+    items[1].pages = pg.data() + 17;
+    items[1].num_pages = 1;
+    items[2].exact = ex.data() + 1;
+    items[2].num_exact = 2;
+    const AttendBatch batch{geom, Hq, scale, items.data(), n};
+    auto launcher = AttendLauncher::Create(0);
+    ASSERT_TRUE(launcher.ok()) << launcher.status();
+    AttendLauncher& L = **launcher;
+    cudaStream_t stream = nullptr;
+    ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+    const float kNaN = std::numeric_limits<float>::quiet_NaN();
+    // Poisons the host outputs, runs `launch`, copies the results, and
+    // returns out then lse.
+    auto run = [&](auto&& launch) {
+      std::fill(out.begin(), out.end(), kNaN);
+      std::fill(lse.begin(), lse.end(), kNaN);
+      launch();
+      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+      L.CopyResults(batch);
+      std::vector<float> r = out;
+      r.insert(r.end(), lse.begin(), lse.end());
+      return r;
+    };
+    auto prepare_and_launch = [&] {
+      absl::Status st = L.Prepare(batch, stream);
+      if (st.ok()) st = L.Launch(stream);
+      EXPECT_TRUE(st.ok()) << st;
+    };
+    const std::vector<float> first = run(prepare_and_launch);
+    {
+      // Against the CPU backend on the same pages (host copies).
+      std::vector<const uint8_t*> pg_host;
+      for (int p = 0; p < kPages; ++p) pg_host.push_back(&pages_host[size_t(p) * geom.page_bytes()]);
+      std::vector<ExactBlockRef> ex_host;
+      for (int b = 0; b < kBlocks; ++b) ex_host.push_back({&staging[b * block_elems], 32 - 7 * b});
+      std::vector<float> out_cpu(out.size()), lse_cpu(lse.size());
+      std::vector<AttendItem> ic = items;
+      for (int i = 0; i < n; ++i) {
+        ic[i].out = &out_cpu[size_t(i) * Hq * D];
+        ic[i].lse = &lse_cpu[size_t(i) * Hq];
+        ic[i].rotation = rot_host;
+        if (ic[i].pages != nullptr) ic[i].pages = pg_host.data() + (ic[i].pages - pg.data());
+        if (ic[i].exact != nullptr) ic[i].exact = ex_host.data() + (ic[i].exact - ex.data());
+      }
+      ASSERT_TRUE(cpu.Attend(AttendBatch{geom, Hq, scale, ic.data(), n}).ok());
+      for (size_t e = 0; e < out.size(); ++e) {
+        ASSERT_NEAR(first[e], out_cpu[e], 1e-4f * (1.0f + std::fabs(out_cpu[e]))) << "element " << e;
+      }
+      for (size_t e = 0; e < lse.size(); ++e) {
+        const float got = first[out.size() + e];
+        if (std::isinf(lse_cpu[e])) {
+          ASSERT_EQ(got, lse_cpu[e]) << "lse " << e;
+        } else {
+          ASSERT_NEAR(got, lse_cpu[e], 1e-4f * (1.0f + std::fabs(lse_cpu[e]))) << "lse " << e;
+        }
+      }
+    }
+    for (int h = 0; h < Hq; ++h) EXPECT_EQ(lse[size_t(3) * Hq + h], -INFINITY) << "empty item";
+    // Replays (directly, then as a CUDA graph) after the pages' contents
+    // change on the device: each must equal a new Prepare + Launch on the
+    // new contents, and differ from the first results.
+    std::vector<uint8_t> shifted(pages_host.size());
+    for (int rep = 1; rep <= 2; ++rep) {
+      for (int p = 0; p < kPages; ++p) {
+        std::memcpy(&shifted[size_t(p) * geom.page_bytes()],
+                    &pages_host[size_t((p + rep) % kPages) * geom.page_bytes()], geom.page_bytes());
+      }
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      if (rep == 2) {
+        ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+        ASSERT_TRUE(L.Launch(stream).ok());
+        ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+        ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      }
+      ASSERT_EQ(cudaMemcpy(pages_dev->as<uint8_t>(), shifted.data(), shifted.size(),
+                           cudaMemcpyHostToDevice),
+                cudaSuccess);
+      const std::vector<float> replay = run([&] {
+        if (exec != nullptr) {
+          EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+        } else {
+          EXPECT_TRUE(L.Launch(stream).ok());
+        }
+      });
+      if (exec != nullptr) {
+        EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+        EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+      }
+      const std::vector<float> fresh = run(prepare_and_launch);
+      EXPECT_EQ(0, std::memcmp(replay.data(), fresh.data(), fresh.size() * 4)) << "replay " << rep;
+      EXPECT_NE(0, std::memcmp(replay.data(), first.data(), first.size() * 4))
+          << "replay " << rep << ": new pages, same results";
+    }
+    EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+  }
+}
+
 TEST(CudaAttendLimits, NullOrMisalignedPageIsRefusedByIndex) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   auto pool = gpu->Allocate(4096);
