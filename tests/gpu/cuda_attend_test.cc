@@ -653,7 +653,8 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
     ASSERT_TRUE(rot_dev.ok());
     const RotationRef rot_gpu{rot_dev->as<float>(), rot_dev->as<float>() + size_t(D) * D, 0};
     const int kPages = 300, kBlocks = 3;
-    std::vector<bf16_bits> staging = RandomKvRows(size_t(kPages + kBlocks) * block_elems / D, D, rng);
+    std::vector<bf16_bits> staging =
+        RandomKvRows(size_t(kPages + kBlocks) * block_elems / D, D, rng);
     std::vector<uint8_t> pages_host(size_t(kPages) * geom.page_bytes());
     CpuBackend cpu(2);
     std::vector<EncodeJob> jobs(kPages);
@@ -662,14 +663,19 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
                           0.96f, 0.92f};
     }
     ASSERT_TRUE(cpu.EncodePages(geom, jobs.data(), kPages).ok());
-    staging.erase(staging.begin(), staging.begin() + size_t(kPages) * block_elems);  // the exact blocks
+    // What is left of staging: the exact blocks.
+    staging.erase(staging.begin(), staging.begin() + size_t(kPages) * block_elems);
     auto pages_dev = Upload(*gpu, pages_host);
     auto blocks_dev = Upload(*gpu, staging);
     ASSERT_TRUE(pages_dev.ok() && blocks_dev.ok());
     std::vector<const uint8_t*> pg;
-    for (int p = 0; p < kPages; ++p) pg.push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
+    for (int p = 0; p < kPages; ++p) {
+      pg.push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
+    }
     std::vector<ExactBlockRef> ex;
-    for (int b = 0; b < kBlocks; ++b) ex.push_back({blocks_dev->as<bf16_bits>() + b * block_elems, 32 - 7 * b});
+    for (int b = 0; b < kBlocks; ++b) {
+      ex.push_back({blocks_dev->as<bf16_bits>() + b * block_elems, 32 - 7 * b});
+    }
     const int n = 4;
     std::vector<float> q(size_t(n) * Hq * D);
     std::normal_distribution<float> nd(0.0f, 1.5f);
@@ -695,8 +701,8 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
     cudaStream_t stream = nullptr;
     ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
     const float kNaN = std::numeric_limits<float>::quiet_NaN();
-    // Poisons the host outputs, runs `launch`, copies the results, and
-    // returns out then lse.
+    // Runs `launch`, copies the launcher's results into out and lse
+    // (poisoned first, so every element must be copied), returns both.
     auto run = [&](auto&& launch) {
       std::fill(out.begin(), out.end(), kNaN);
       std::fill(lse.begin(), lse.end(), kNaN);
@@ -716,7 +722,9 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
     {
       // Against the CPU backend on the same pages (host copies).
       std::vector<const uint8_t*> pg_host;
-      for (int p = 0; p < kPages; ++p) pg_host.push_back(&pages_host[size_t(p) * geom.page_bytes()]);
+      for (int p = 0; p < kPages; ++p) {
+        pg_host.push_back(&pages_host[size_t(p) * geom.page_bytes()]);
+      }
       std::vector<ExactBlockRef> ex_host;
       for (int b = 0; b < kBlocks; ++b) ex_host.push_back({&staging[b * block_elems], 32 - 7 * b});
       std::vector<float> out_cpu(out.size()), lse_cpu(lse.size());
@@ -730,7 +738,8 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
       }
       ASSERT_TRUE(cpu.Attend(AttendBatch{geom, Hq, scale, ic.data(), n}).ok());
       for (size_t e = 0; e < out.size(); ++e) {
-        ASSERT_NEAR(first[e], out_cpu[e], 1e-4f * (1.0f + std::fabs(out_cpu[e]))) << "element " << e;
+        ASSERT_NEAR(first[e], out_cpu[e], 1e-4f * (1.0f + std::fabs(out_cpu[e])))
+            << "element " << e;
       }
       for (size_t e = 0; e < lse.size(); ++e) {
         const float got = first[out.size() + e];
