@@ -29,8 +29,10 @@
 namespace oscarkv {
 namespace {
 
+using gputest::EncodePagesOnCpu;
 using gputest::RandomKvRows;
 using gputest::RandomOrthogonal;
+using gputest::RandomRotations;
 using gputest::SplitTiers;
 using gputest::Tiers;
 using gputest::Upload;
@@ -451,27 +453,15 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
   const float scale = 1.0f / std::sqrt(float(D));
   const size_t block_elems = geom.exact_block_bytes() / 2;
   std::mt19937_64 rng(91);
-  std::vector<float> rot(2 * size_t(D) * D);
-  for (int m = 0; m < 2; ++m) {
-    const auto r = RandomOrthogonal(D, rng);
-    std::memcpy(&rot[size_t(m) * D * D], r.data(), r.size() * 4);
-  }
-  const RotationRef rot_host{rot.data(), rot.data() + size_t(D) * D, 0};
-  auto rot_dev = Upload(*gpu, rot);
-  ASSERT_TRUE(rot_dev.ok());
-  const RotationRef rot_gpu{rot_dev->as<float>(), rot_dev->as<float>() + size_t(D) * D, 0};
+  auto rotations = RandomRotations(*gpu, D, rng);
+  ASSERT_TRUE(rotations.ok()) << rotations.status();
+  const RotationRef rot_host = rotations->host_ref(), rot_gpu = rotations->device_ref();
   // A pool of encoded pages, on the host and on the device.
-  std::vector<bf16_bits> staging = RandomKvRows(size_t(kPool) * block_elems / D, D, rng);
-  std::vector<uint8_t> pages_host(size_t(kPool) * geom.page_bytes());
+  const std::vector<bf16_bits> staging = RandomKvRows(size_t(kPool) * block_elems / D, D, rng);
+  auto pages_or = EncodePagesOnCpu(geom, staging.data(), kPool, rot_host);
+  ASSERT_TRUE(pages_or.ok()) << pages_or.status();
+  const std::vector<uint8_t>& pages_host = *pages_or;
   CpuBackend cpu(2);
-  {
-    std::vector<EncodeJob> jobs(kPool);
-    for (int p = 0; p < kPool; ++p) {
-      jobs[p] = EncodeJob{&staging[p * block_elems], &pages_host[p * geom.page_bytes()], rot_host,
-                          0.96f, 0.92f};
-    }
-    ASSERT_TRUE(cpu.EncodePages(geom, jobs.data(), kPool).ok());
-  }
   auto pages_dev = Upload(*gpu, pages_host);
   ASSERT_TRUE(pages_dev.ok());
   auto launcher = AttendLauncher::Create(0);
@@ -643,26 +633,16 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
     const float scale = 1.0f / std::sqrt(float(D));
     const size_t block_elems = geom.exact_block_bytes() / 2;
     std::mt19937_64 rng(500 + g);
-    std::vector<float> rot(2 * size_t(D) * D);
-    for (int m = 0; m < 2; ++m) {
-      const auto r = RandomOrthogonal(D, rng);
-      std::memcpy(&rot[size_t(m) * D * D], r.data(), r.size() * 4);
-    }
-    const RotationRef rot_host{rot.data(), rot.data() + size_t(D) * D, 0};
-    auto rot_dev = Upload(*gpu, rot);
-    ASSERT_TRUE(rot_dev.ok());
-    const RotationRef rot_gpu{rot_dev->as<float>(), rot_dev->as<float>() + size_t(D) * D, 0};
+    auto rotations = RandomRotations(*gpu, D, rng);
+    ASSERT_TRUE(rotations.ok()) << rotations.status();
+    const RotationRef rot_host = rotations->host_ref(), rot_gpu = rotations->device_ref();
     const int kPages = 300, kBlocks = 3;
     std::vector<bf16_bits> staging =
         RandomKvRows(size_t(kPages + kBlocks) * block_elems / D, D, rng);
-    std::vector<uint8_t> pages_host(size_t(kPages) * geom.page_bytes());
+    auto pages_or = EncodePagesOnCpu(geom, staging.data(), kPages, rot_host);
+    ASSERT_TRUE(pages_or.ok()) << pages_or.status();
+    const std::vector<uint8_t>& pages_host = *pages_or;
     CpuBackend cpu(2);
-    std::vector<EncodeJob> jobs(kPages);
-    for (int p = 0; p < kPages; ++p) {
-      jobs[p] = EncodeJob{&staging[p * block_elems], &pages_host[p * geom.page_bytes()], rot_host,
-                          0.96f, 0.92f};
-    }
-    ASSERT_TRUE(cpu.EncodePages(geom, jobs.data(), kPages).ok());
     // What is left of staging: the exact blocks.
     staging.erase(staging.begin(), staging.begin() + size_t(kPages) * block_elems);
     auto pages_dev = Upload(*gpu, pages_host);

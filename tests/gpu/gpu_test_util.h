@@ -1,15 +1,19 @@
 // Shared helpers of the GPU tests and the GPU benchmark: random data with the
-// structure real caches have, random rotations, tier splits, device uploads.
+// structure real caches have, random rotations, pages encoded on the CPU,
+// tier splits, device uploads.
 #ifndef OSCARKV_TESTS_GPU_GPU_TEST_UTIL_H_
 #define OSCARKV_TESTS_GPU_GPU_TEST_UTIL_H_
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "absl/status/statusor.h"
 #include "kernels/backend.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/numeric.h"
 
 namespace oscarkv {
@@ -78,6 +82,49 @@ absl::StatusOr<DeviceBuffer> Upload(Backend& b, const std::vector<T>& host) {
   auto st = b.CopyToDevice(buf->data(), host.data(), host.size() * sizeof(T));
   if (!st.ok()) return st;
   return std::move(buf).value();
+}
+
+// A random orthogonal R_K and R_V of size d (one pair for every kv head:
+// stride 0), on the host and on the device.
+struct Rotations {
+  int d = 0;
+  std::vector<float> host;  // R_K, then R_V
+  DeviceBuffer device;
+  RotationRef host_ref() const { return {host.data(), host.data() + size_t(d) * d, 0}; }
+  RotationRef device_ref() const {
+    return {device.as<float>(), device.as<float>() + size_t(d) * d, 0};
+  }
+};
+inline absl::StatusOr<Rotations> RandomRotations(Backend& b, int d, std::mt19937_64& rng) {
+  Rotations r;
+  r.d = d;
+  r.host.resize(2 * size_t(d) * d);
+  for (int m = 0; m < 2; ++m) {
+    const std::vector<float> x = RandomOrthogonal(d, rng);
+    std::copy(x.begin(), x.end(), r.host.begin() + size_t(m) * d * d);
+  }
+  auto dev = Upload(b, r.host);
+  if (!dev.ok()) return dev.status();
+  r.device = std::move(dev).value();
+  return r;
+}
+
+// `count` history pages encoded by the CPU backend (clip ratios 0.96 / 0.92)
+// from `count` consecutive exact blocks of geom at `blocks`.
+inline absl::StatusOr<std::vector<uint8_t>> EncodePagesOnCpu(const PageGeometry& geom,
+                                                             const bf16_bits* blocks, int count,
+                                                             const RotationRef& rotation) {
+  const size_t block_elems = geom.exact_block_bytes() / 2;
+  std::vector<uint8_t> pages(size_t(count) * geom.page_bytes());
+  std::vector<EncodeJob> jobs(count);
+  for (int p = 0; p < count; ++p) {
+    jobs[p] = EncodeJob{blocks + p * block_elems, &pages[p * geom.page_bytes()], rotation, 0.96f,
+                        0.92f};
+  }
+  CpuBackend cpu(2);
+  const absl::Status st = cpu.EncodePages(geom, jobs.data(), count);
+  if (!st.ok()) return st;
+  return pages;
 }
 
 template <typename T>
