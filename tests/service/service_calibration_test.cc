@@ -43,7 +43,7 @@ class Calibrated : public ::testing::TestWithParam<bool> {};
 TEST_P(Calibrated, LoadCalibrationEncodesWithTheFileAndAttendMatchesReference) {
   const bool per_head = GetParam();
   ServerOptions options = TinyServerOptions();
-  options.calibration_dir = ::testing::TempDir();  // where UniqueTempPath writes
+  options.calibration_dir = ::oscarkv::testing::TestTempDir();  // where UniqueTempPath writes
   TestServer ts(options);
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
