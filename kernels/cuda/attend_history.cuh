@@ -110,8 +110,8 @@ struct ChunkLoads {
 template <int D, int NG, bool G8, bool kInt = false>
 struct HistoryWarp : ChunkLoads<D, NG, G8> {
   using Base = ChunkLoads<D, NG, G8>;
-  using C = Cfg<D, NG, G8>;
-  using Regs = ChunkRegs<C, NG>;
+  using typename Base::C;
+  using typename Base::Regs;
   using Base::c;
   using Base::r;
   static constexpr bool kIntQK = kInt && D == 128 && !G8;

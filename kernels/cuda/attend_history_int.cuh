@@ -44,8 +44,8 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   static constexpr float kFixedMax = 16777215.0f;
   static_assert(D == 128 && NG == 1 && !G8, "integer P·V: D = 128, one group, g <= 4");
   using Base = ChunkLoads<D, NG, G8>;
-  using C = Cfg<D, NG, G8>;
-  using Regs = ChunkRegs<C, NG>;
+  using typename Base::C;
+  using typename Base::Regs;
   using Base::c;
   using Base::r;
 

@@ -31,7 +31,6 @@ namespace {
 
 using gputest::EncodePagesOnCpu;
 using gputest::RandomKvRows;
-using gputest::RandomOrthogonal;
 using gputest::RandomRotations;
 using gputest::SplitTiers;
 using gputest::Tiers;
@@ -77,18 +76,10 @@ Errors RunConfig(const Config& cf, uint64_t seed, int repeats = 1) {
   const size_t row = size_t(H) * D;
   const size_t block_elems = geom.exact_block_bytes() / 2;
   const float scale = 1.0f / std::sqrt(float(D));
-  const int mats = cf.per_head ? H : 1;
-  std::vector<float> rot(2 * size_t(mats) * D * D);
-  for (int m = 0; m < 2 * mats; ++m) {
-    auto r = RandomOrthogonal(D, rng);
-    std::memcpy(&rot[size_t(m) * D * D], r.data(), r.size() * 4);
-  }
-  const size_t stride = cf.per_head ? size_t(D) * D : 0;
-  const RotationRef rot_host{rot.data(), rot.data() + size_t(mats) * D * D, stride};
-  auto rot_dev = Upload(*gpu, rot);
-  EXPECT_TRUE(rot_dev.ok());
-  const RotationRef rot_gpu{rot_dev->as<float>(), rot_dev->as<float>() + size_t(mats) * D * D,
-                            stride};
+  auto rotations = RandomRotations(*gpu, D, cf.per_head ? H : 1, rng);
+  EXPECT_TRUE(rotations.ok()) << rotations.status();
+  if (!rotations.ok()) return worst;
+  const RotationRef rot_host = rotations->host_ref(), rot_gpu = rotations->device_ref();
 
   const int n = static_cast<int>(cf.lengths.size());
   std::vector<std::vector<bf16_bits>> ks(n), vs(n);
@@ -205,7 +196,7 @@ Errors RunConfig(const Config& cf, uint64_t seed, int repeats = 1) {
       const uint8_t* page = &pages_host[item_pages[i][p] * geom.page_bytes()];
       for (int h = 0; h < H; ++h) {
         for (int kind = 0; kind < 2; ++kind) {
-          const float* r = (kind == 0 ? rot_host.r_k : rot_host.r_v) + stride * h;
+          const float* r = (kind == 0 ? rot_host.r_k : rot_host.r_v) + rot_host.stride * h;
           for (int t = 0; t < P; ++t) {
             float y[256];
             DequantizeRow(page + geom.codes_offset(h, kind) + t * geom.code_row_bytes(),
@@ -453,7 +444,7 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
   const float scale = 1.0f / std::sqrt(float(D));
   const size_t block_elems = geom.exact_block_bytes() / 2;
   std::mt19937_64 rng(91);
-  auto rotations = RandomRotations(*gpu, D, rng);
+  auto rotations = RandomRotations(*gpu, D, 1, rng);
   ASSERT_TRUE(rotations.ok()) << rotations.status();
   const RotationRef rot_host = rotations->host_ref(), rot_gpu = rotations->device_ref();
   // A pool of encoded pages, on the host and on the device.
@@ -633,7 +624,7 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
     const float scale = 1.0f / std::sqrt(float(D));
     const size_t block_elems = geom.exact_block_bytes() / 2;
     std::mt19937_64 rng(500 + g);
-    auto rotations = RandomRotations(*gpu, D, rng);
+    auto rotations = RandomRotations(*gpu, D, 1, rng);
     ASSERT_TRUE(rotations.ok()) << rotations.status();
     const RotationRef rot_host = rotations->host_ref(), rot_gpu = rotations->device_ref();
     const int kPages = 300, kBlocks = 3;

@@ -84,22 +84,29 @@ absl::StatusOr<DeviceBuffer> Upload(Backend& b, const std::vector<T>& host) {
   return std::move(buf).value();
 }
 
-// A random orthogonal R_K and R_V of size d (one pair for every kv head:
-// stride 0), on the host and on the device.
+// Random orthogonal R_K and R_V of size d, on the host and on the device:
+// `mats` = 1, one pair for every kv head (stride 0), or one per kv head
+// (mats = kv heads, stride d·d).
 struct Rotations {
-  int d = 0;
-  std::vector<float> host;  // R_K, then R_V
+  int d = 0, mats = 1;
+  std::vector<float> host;  // mats R_K, then mats R_V
   DeviceBuffer device;
-  RotationRef host_ref() const { return {host.data(), host.data() + size_t(d) * d, 0}; }
-  RotationRef device_ref() const {
-    return {device.as<float>(), device.as<float>() + size_t(d) * d, 0};
+  size_t stride() const { return mats > 1 ? size_t(d) * d : 0; }
+  RotationRef host_ref() const { return Ref(host.data()); }
+  RotationRef device_ref() const { return Ref(device.as<float>()); }
+
+ private:
+  RotationRef Ref(const float* base) const {
+    return {base, base + size_t(mats) * d * d, stride()};
   }
 };
-inline absl::StatusOr<Rotations> RandomRotations(Backend& b, int d, std::mt19937_64& rng) {
+inline absl::StatusOr<Rotations> RandomRotations(Backend& b, int d, int mats,
+                                                 std::mt19937_64& rng) {
   Rotations r;
   r.d = d;
-  r.host.resize(2 * size_t(d) * d);
-  for (int m = 0; m < 2; ++m) {
+  r.mats = mats;
+  r.host.resize(2 * size_t(mats) * d * d);
+  for (int m = 0; m < 2 * mats; ++m) {
     const std::vector<float> x = RandomOrthogonal(d, rng);
     std::copy(x.begin(), x.end(), r.host.begin() + size_t(m) * d * d);
   }

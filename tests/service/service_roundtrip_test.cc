@@ -1,14 +1,12 @@
 // End-to-end over real gRPC (in-process server on 127.0.0.1:0, client library):
 // put -> get, put -> attend, appends across the demotion boundary, admin calls.
-#include <unistd.h>
-
-#include <cstdio>
 #include <cstring>
 
 #include "client/local_attention.h"
 #include "gmock/gmock.h"
 #include "server/service/kv_service.h"
 #include "service_fixture.h"
+#include "tests/temp_path.h"
 
 namespace oscarkv::testing {
 namespace {
@@ -100,8 +98,7 @@ TEST(Service, AttendEqualsLocalAttentionOnFetchedPagesAndFp64Reference) {
 
 // A sidecar's clients on the same host may use a Unix domain socket.
 TEST(Service, ServesOverAUnixDomainSocket) {
-  const std::string path = ::testing::TempDir() + "/oscarkv_uds_" + std::to_string(::getpid());
-  std::remove(path.c_str());
+  const std::string path = ::oscarkv::testing::UniqueTempPath("uds");
   ServerOptions o = TinyServerOptions();
   o.listen_address = "unix:" + path;
   {
@@ -138,7 +135,6 @@ TEST(Service, ServesOverAUnixDomainSocket) {
     ASSERT_TRUE(again.ok()) << again.status();
     EXPECT_EQ((*again)[0].out, out);
   }
-  std::remove(path.c_str());
 }
 
 TEST(Service, AppendAcrossDemotionBoundaryKeepsTiersAndAttention) {
