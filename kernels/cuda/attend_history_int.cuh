@@ -1,5 +1,5 @@
-// The history warp of split-kernel variants 6 and 7: q·K and P·V both on the
-// integer tensor cores (D = 128, one quantization group per row, at most 4
+// The history warp of split-kernel variants 6, 7 and 8: q·K and P·V both on
+// the integer tensor cores (D = 128, one quantization group per row, at most 4
 // query heads per kv head). Included by attend_kernels.cu only.
 //
 // Each thread (r = lane/4, c = lane%4) owns one query head, hh = c, of the
@@ -23,8 +23,17 @@
 // Accuracy: P' is kept to about 2^-23 of S per token (rounding to the grid
 // plus the fp32 product p·s_V·(1/scl)), S up to ~10x the typical P' of a
 // chunk: 1.2e-6 relative error vs fp64 (Qwen3 shape, H200, 2026-11-29;
-// HistoryWarp's bf16 hi + lo P': 2.2e-6). Two digits (16 bits, one MMA)
-// measured 1.0e-4, over the tests' 1e-4 bound (tests/bench/RESULTS.md, run 11).
+// HistoryWarp's bf16 hi + lo P': 2.2e-6).
+//
+// kDigits = 2 (variant 8, the default): P' in 16-bit fixed point of S = the
+// chunk's exact max P' per head (one more 3-step max reduction, after the
+// exponentials), one MMA per 16 dims, a third fewer instructions in P·V.
+// Each term is kept to 2^-17 of the chunk's largest (fp16's precision for
+// the largest P' of each chunk): relative errors vs fp64 of 1e-5..6.3e-5 on
+// the tests' inputs (Qwen3 shape 4.0e-5), against ~0.25 for the 2-bit cache
+// itself vs BF16 attention; 5-7 % faster than 24 bits at 64K-128K tokens and
+// B8 (H200, 2026-11-29, tests/bench/RESULTS.md run 13). With S the bound
+// (max p)·(max s_V) instead of the exact max, 16 bits measured 1.0e-4 (run 11).
 // Unlike HistoryWarp, a NaN V scale (a corrupt page; the encoder writes
 // finite scales >= 0) drops that token's P'·codes term instead of turning the
 // output into NaN; its min term still counts.
@@ -38,10 +47,14 @@
 namespace oscarkv {
 namespace cuda_attend {
 
-template <int D, int NG, bool G8>
+// kDigits = 3: P' in 24-bit fixed point of S = (max p) · (max s_V) >= P', two
+// MMAs per 16 dims; kDigits = 2: 16 bits of S = the exact max of P' over the
+// chunk's tokens, one MMA per 16 dims (Accumulate16).
+template <int D, int NG, bool G8, int kDigits = 3>
 struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
-  // P' in 24-bit fixed point of the chunk's bound S.
-  static constexpr float kFixedMax = 16777215.0f;
+  // P' in fixed point of the chunk's scale S.
+  static constexpr float kFixedMax = kDigits == 3 ? 16777215.0f : 65535.0f;
+  static_assert(kDigits == 2 || kDigits == 3, "two or three base-256 digits");
   static_assert(D == 128 && NG == 1 && !G8, "integer P·V: D = 128, one group, g <= 4");
   using Base = ChunkLoads<D, NG, G8>;
   using typename Base::C;
@@ -122,6 +135,10 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
 
   // Online softmax and O' += P'V for one chunk, from its logits and V half.
   __device__ __forceinline__ void Accumulate(const Regs& x, const float (&lg)[2][2]) {
+    if constexpr (kDigits == 2) {
+      Accumulate16(x, lg);
+      return;
+    }
     // The max s_V of the chunk's tokens (independent of the logits).
     float sv[4], smax = 0.0f;
 #pragma unroll
@@ -205,6 +222,85 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
                                static_cast<float>(acc_lo[2]));
         o[k][bp][0] = fmaf(scl, hi0, o[k][bp][0]);
         o[k][bp][1] = fmaf(scl, hi1, o[k][bp][1]);
+      }
+    }
+  }
+
+  // Accumulate with 16-bit P' of the chunk's exact max (kDigits == 2).
+  __device__ __forceinline__ void Accumulate16(const Regs& x, const float (&lg)[2][2]) {
+    float cm = fmaxf(fmaxf(lg[0][0], lg[0][1]), fmaxf(lg[1][0], lg[1][1]));
+#pragma unroll
+    for (int off = 4; off <= 16; off <<= 1) cm = fmaxf(cm, __shfl_xor_sync(kFull, cm, off));
+    const float mn = fmaxf(m, cm);
+    const float f = FastExp2(m - mn);
+    m = mn;
+    l *= f;
+    vlo *= f;
+    if (__any_sync(kFull, f != 1.0f)) {
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int bp = 0; bp < 2; ++bp) {
+          o[k][bp][0] *= f;
+          o[k][bp][1] *= f;
+        }
+    }
+    // P' = p·s_V per token; S = its max over the chunk's 32 tokens (fmaxf
+    // skips a NaN scale, whose token then gets digit 0).
+    float pv[2][2], smax = 0.0f;
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float p = FastExp2(lg[tau][e] - mn);
+        l += p;
+        vlo = fmaf(p, ParamMin(x.vp[2 * tau + e][0]), vlo);
+        pv[tau][e] = p * ParamScale(x.vp[2 * tau + e][0]);
+        smax = fmaxf(smax, pv[tau][e]);
+      }
+#pragma unroll
+    for (int off = 4; off <= 16; off <<= 1) smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, off));
+    // An S too small to matter (p negligible against l >= 1) drops the
+    // chunk's P' terms.
+    const bool live = smax >= 1e-30f;
+    const float scl = live ? smax * (1.0f / kFixedMax) : 0.0f;
+    const float inv = live ? __fdividef(kFixedMax, smax) : 0.0f;
+    uint32_t pb[2];
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      uint32_t w[2];
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const uint32_t u = min(__float2uint_rn(pv[tau][e] * inv), uint32_t(kFixedMax));
+        // (token, col 2c) = the high digit, col 2c+1 = the low one.
+        w[e] = Prmt(u, 0u, 0x4041u);
+      }
+      pb[tau] = Prmt(TransposeM8N8(w[0]), TransposeM8N8(w[1]), 0x6420u);
+    }
+    uint32_t t[2][4];
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      const uint32_t v0 = x.vc[tau][0][0], v1 = x.vc[tau][1][0];
+      const uint32_t v2 = x.vc[tau][2][0], v3 = x.vc[tau][3][0];
+      const uint32_t lo01 = Prmt(v0, v1, 0x5140u), hi01 = Prmt(v0, v1, 0x7362u);
+      const uint32_t lo23 = Prmt(v2, v3, 0x5140u), hi23 = Prmt(v2, v3, 0x7362u);
+      t[tau][0] = Prmt(lo01, lo23, 0x5410u);
+      t[tau][1] = Prmt(lo01, lo23, 0x7632u);
+      t[tau][2] = Prmt(hi01, hi23, 0x5410u);
+      t[tau][3] = Prmt(hi01, hi23, 0x7632u);
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t msk = 0x03030303u << (2 * k);
+#pragma unroll
+      for (int bp = 0; bp < 2; ++bp) {
+        const uint32_t a0 = t[0][2 * bp] & msk, a1 = t[0][2 * bp + 1] & msk;
+        const uint32_t a2 = t[1][2 * bp] & msk, a3 = t[1][2 * bp + 1] & msk;
+        int acc[4];
+        ImmaU8U8(acc, a0, a1, a2, a3, pb[0], pb[1]);
+        // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
+        o[k][bp][0] = fmaf(scl, static_cast<float>(acc[0] * 256 + acc[1]), o[k][bp][0]);
+        o[k][bp][1] = fmaf(scl, static_cast<float>(acc[2] * 256 + acc[3]), o[k][bp][1]);
       }
     }
   }

@@ -9,6 +9,7 @@
 #include "kernels/cuda/attend_exact.cuh"
 #include "kernels/cuda/attend_history.cuh"
 #include "kernels/cuda/attend_history_int.cuh"
+#include "kernels/cuda/attend_kernels.h"
 #include "kernels/cuda/attend_merge.cuh"
 #include "kernels/cuda/attend_prep.cuh"
 #include "kernels/cuda/cuda_status.h"
@@ -70,13 +71,15 @@ __device__ void PrefetchExactRowsL2(const LaunchArgs& a, const ItemPlan& item, c
 // kPrefetch: register double buffer of whole chunks. kPipeline: software
 // pipeline, QK of chunk i+1 next to softmax / PV of chunk i (two independent
 // instruction streams per warp), K and V halves loaded on separate schedules.
-// kIntPv: the history warp is HistoryWarpIntPv (with kPrefetch only).
+// kIntPv: the history warp is HistoryWarpIntPv with that many P' digits
+// (with kPrefetch only); 0: HistoryWarp.
 template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
-          bool kInt = false, bool kIntPv = false>
+          bool kInt = false, int kIntPv = 0>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
-  using Warp = std::conditional_t<kIntPv, HistoryWarpIntPv<D, NG, G8>, HistoryWarp<D, NG, G8, kInt>>;
-  static_assert(!kIntPv || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
+  using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, (kIntPv > 0 ? kIntPv : 3)>,
+                                  HistoryWarp<D, NG, G8, kInt>>;
+  static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
   constexpr int HG = C::HG;
   __shared__ float sm_o[kWarps][HG][D];
   __shared__ float sm_m[kWarps][HG];
@@ -270,14 +273,14 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // pipeline (QK of the next chunk next to PV of this one), 3 blocks per SM;
 // 3 / 4 = variants 0 / 2 with q·K on the integer tensor cores (D = 128 and at
 // most 4 query heads per kv head; other shapes run variants 0 / 2); 6 / 7 =
-// q·K and P·V on the integer tensor cores (HistoryWarpIntPv; D = 128, one
-// quantization group, at most 4 query heads per kv head; other shapes run 3)
-// at 3 / 4 blocks per SM.
+// q·K and P·V on the integer tensor cores (HistoryWarpIntPv, 24-bit P'; D =
+// 128, one quantization group, at most 4 query heads per kv head; other
+// shapes run 3) at 3 / 4 blocks per SM; 8 = 6 with 16-bit P'.
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
-  return (variant == 6 || variant == 7) && head_dim == 128 && groups == 1 && !g8;
+  return (variant == 6 || variant == 7 || variant == 8) && head_dim == 128 && groups == 1 && !g8;
 }
 inline bool UsesIntQk(int variant, int head_dim, bool g8) {
-  return (variant >= 3 && variant <= 7) && head_dim == 128 && !g8;
+  return (variant >= 3 && variant <= 8) && head_dim == 128 && !g8;
 }
 
 template <int D, int NG, bool G8>
@@ -287,11 +290,12 @@ auto SplitKernelFor(int variant) {
   }
   if constexpr (D == 128 && NG == 1 && !G8) {
     // kInt is HistoryWarp's; HistoryWarpIntPv always runs q·K on integers.
-    if (variant == 6) return &SplitKernel<D, NG, G8, 3, true, false, false, true>;
-    if (variant == 7) return &SplitKernel<D, NG, G8, 4, true, false, false, true>;
+    if (variant == 6) return &SplitKernel<D, NG, G8, 3, true, false, false, 3>;
+    if (variant == 7) return &SplitKernel<D, NG, G8, 4, true, false, false, 3>;
+    if (variant == 8) return &SplitKernel<D, NG, G8, 3, true, false, false, 2>;
   }
   if constexpr (D == 128 && !G8) {
-    if (variant == 3 || variant == 6 || variant == 7) {
+    if (variant == 3 || variant == 6 || variant == 7 || variant == 8) {
       return &SplitKernel<D, NG, G8, 3, true, false, true>;
     }
     // 5 = 3 held to 4 blocks per SM (at most 128 registers): more warps to hide latency.
@@ -367,4 +371,9 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& s, cudaS
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(BlocksPerSmTyped, s) }
 
 }  // namespace cuda_attend
+
+bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {
+  return variant == 8 && group_size > 0 &&
+         cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
+}
 }  // namespace oscarkv

@@ -87,14 +87,25 @@ class AttendLauncher {
   //   4 = 2 with integer q·K;
   //   5 = 3 held to 128 registers (4 blocks/SM);
   //   6 / 7 = q·K and P·V on the integer tensor cores (24-bit fixed-point
-  //       P'), 3 / 4 blocks/SM (D = 128, G = D, <= 4 query heads per kv
-  //       head; else 3). 6 is the default: 16-18 % faster than 3 at B1 128K
-  //       and B8 32K / 64K, 4-13 % at the shorter shapes.
+  //       P', relative errors ~1e-6), 3 / 4 blocks/SM (D = 128, G = D, <= 4
+  //       query heads per kv head; else 3): 16-18 % faster than 3 at B1 128K
+  //       and B8 32K / 64K, 4-13 % at the shorter shapes;
+  //   8 = 6 with P' in 16-bit fixed point of each chunk's exact max (relative
+  //       errors up to ~6e-5): the default, 5-7 % faster than 6 at 64K-128K
+  //       tokens and at B8, ~1 % at 8K-32K.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 8;
+  static constexpr int kNumVariants = 9;
+  static constexpr int kDefaultVariant = 8;
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }
+
+  // Whether a batch of this shape runs, under `variant`, the history path
+  // that keeps P·V's probabilities in 16-bit fixed point of each chunk's max
+  // (variant 8 for D = 128, G = D, at most 4 query heads per kv head): output
+  // errors up to ~5e-4 of the output's scale, against ~1e-6 for the other
+  // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
+  static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);
 
   // For benchmarks only (the time of each kernel in its place in the call):
   // Launch() enqueues the first `stages` kernels, 1 = prep, 2 = prep and
@@ -141,7 +152,7 @@ class AttendLauncher {
 
   int device_;
   int num_sms_;
-  int variant_ = 6;
+  int variant_ = kDefaultVariant;
   cuda_attend::FoldExact fold_exact_ = cuda_attend::FoldExact::kAuto;
   int ablate_ = 0;
   int stages_ = 3;

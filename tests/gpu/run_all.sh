@@ -16,7 +16,7 @@
 # with everything on; SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests (~2 min).
 #
 # Environment: QUICK=1 (~5 min on the H200, 2026-11-29) runs the default
-# variant's attention tests in full, variants 0, 2 and 3 on D = 128 only (not
+# variant's attention tests in full, variants 0, 2, 3 and 6 on D = 128 only (not
 # 1, 4 and 7), the benchmark before the sanitizer, and a smaller sanitizer set, 50 s
 # at most each (memcheck, racecheck and initcheck of the attention, memcheck
 # of the codec); SKIP_SANITIZER=1 skips compute-sanitizer; SKIP_BENCH=1 skips
@@ -61,7 +61,7 @@ for t in cuda_codec_test cuda_attend_test; do
 done
 
 # The attention tests again with the other split-kernel variants (see
-# AttendLauncher::set_variant; the default is 6): 1 differs for D = 128 only.
+# AttendLauncher::set_variant; the default is 8): 1 differs for D = 128 only.
 [ "$quick" = 1 ] || run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
   --gtest_filter='*D128*:CudaAttendDefaults.*' --gtest_output="json:$out/cuda_attend_test_variant1.json"
 [ "$quick" = 1 ] || grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head -20
@@ -71,9 +71,9 @@ grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant2.log" | head
 run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cuda_attend_test" \
   --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant0.json"
 grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
-# Integer q·K (3, 4) and integer P·V at 4 blocks/SM (7): differ from the others
-# for D = 128, g <= 4 only (7 for G = D only).
-for v in 3 $([ "$quick" = 1 ] || echo 4 7); do
+# Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7):
+# differ from the others for D = 128, g <= 4 only (6 and 7 for G = D only).
+for v in 3 6 $([ "$quick" = 1 ] || echo 4 7); do
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*' \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
