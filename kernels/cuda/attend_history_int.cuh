@@ -133,22 +133,10 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
     }
   }
 
-  // Online softmax and O' += P'V for one chunk, from its logits and V half.
-  __device__ __forceinline__ void Accumulate(const Regs& x, const float (&lg)[2][2]) {
-    if constexpr (kDigits == 2) {
-      Accumulate16(x, lg);
-      return;
-    }
-    // The max s_V of the chunk's tokens (independent of the logits).
-    float sv[4], smax = 0.0f;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      sv[i] = ParamScale(x.vp[i][0]);
-      smax = fmaxf(smax, sv[i]);
-    }
-#pragma unroll
-    for (int off = 4; off <= 16; off <<= 1) smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, off));
-
+  // The online softmax's step to a chunk: its max logit for head c (over
+  // the warp's 32 tokens; returned), the running max m moved to cover it, and
+  // l, vlo and the accumulators rescaled to the new m.
+  __device__ __forceinline__ float MoveMax(const float (&lg)[2][2]) {
     float cm = fmaxf(fmaxf(lg[0][0], lg[0][1]), fmaxf(lg[1][0], lg[1][1]));
 #pragma unroll
     for (int off = 4; off <= 16; off <<= 1) cm = fmaxf(cm, __shfl_xor_sync(kFull, cm, off));
@@ -166,6 +154,43 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
           o[k][bp][1] *= f;
         }
     }
+    return cm;
+  }
+
+  // V codes: word r of tokens 16τ + {2c, 2c+1, 2c+8, 2c+9} -> t[τ][j] = dim
+  // byte 4r + j of those four tokens (the P·V MMA's A rows, before masking).
+  static __device__ __forceinline__ void VCodeBytes(const Regs& x, uint32_t (&t)[2][4]) {
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+      const uint32_t v0 = x.vc[tau][0][0], v1 = x.vc[tau][1][0];
+      const uint32_t v2 = x.vc[tau][2][0], v3 = x.vc[tau][3][0];
+      const uint32_t lo01 = Prmt(v0, v1, 0x5140u), hi01 = Prmt(v0, v1, 0x7362u);
+      const uint32_t lo23 = Prmt(v2, v3, 0x5140u), hi23 = Prmt(v2, v3, 0x7362u);
+      t[tau][0] = Prmt(lo01, lo23, 0x5410u);
+      t[tau][1] = Prmt(lo01, lo23, 0x7632u);
+      t[tau][2] = Prmt(hi01, hi23, 0x5410u);
+      t[tau][3] = Prmt(hi01, hi23, 0x7632u);
+    }
+  }
+
+  // Online softmax and O' += P'V for one chunk, from its logits and V half.
+  __device__ __forceinline__ void Accumulate(const Regs& x, const float (&lg)[2][2]) {
+    if constexpr (kDigits == 2) {
+      Accumulate16(x, lg);
+      return;
+    }
+    // The max s_V of the chunk's tokens (independent of the logits).
+    float sv[4], smax = 0.0f;
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      sv[i] = ParamScale(x.vp[i][0]);
+      smax = fmaxf(smax, sv[i]);
+    }
+#pragma unroll
+    for (int off = 4; off <= 16; off <<= 1) smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, off));
+
+    const float cm = MoveMax(lg);
+    const float mn = m;
     // P' in 24-bit fixed point of S = (max p of the chunk) · smax >= P',
     // as base-256 digits: tile 0 columns 2h, 2h+1 = the two high digits of
     // head h, tile 1 column 2h = the low digit, 2h+1 = 0.
@@ -191,20 +216,8 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       pb[0][tau] = Prmt(TransposeM8N8(w[0]), TransposeM8N8(w[1]), 0x6420u);
       pb[1][tau] = Prmt(TransposeM8N8(wlo[0]), TransposeM8N8(wlo[1]), 0x6420u);
     }
-    // V codes: word r of tokens 16τ + {2c, 2c+1, 2c+8, 2c+9} -> t[τ][j] = dim
-    // byte 4r + j of those four tokens.
     uint32_t t[2][4];
-#pragma unroll
-    for (int tau = 0; tau < 2; ++tau) {
-      const uint32_t v0 = x.vc[tau][0][0], v1 = x.vc[tau][1][0];
-      const uint32_t v2 = x.vc[tau][2][0], v3 = x.vc[tau][3][0];
-      const uint32_t lo01 = Prmt(v0, v1, 0x5140u), hi01 = Prmt(v0, v1, 0x7362u);
-      const uint32_t lo23 = Prmt(v2, v3, 0x5140u), hi23 = Prmt(v2, v3, 0x7362u);
-      t[tau][0] = Prmt(lo01, lo23, 0x5410u);
-      t[tau][1] = Prmt(lo01, lo23, 0x7632u);
-      t[tau][2] = Prmt(hi01, hi23, 0x5410u);
-      t[tau][3] = Prmt(hi01, hi23, 0x7632u);
-    }
+    VCodeBytes(x, t);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint32_t msk = 0x03030303u << (2 * k);
@@ -228,23 +241,8 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
 
   // Accumulate with 16-bit P' of the chunk's exact max (kDigits == 2).
   __device__ __forceinline__ void Accumulate16(const Regs& x, const float (&lg)[2][2]) {
-    float cm = fmaxf(fmaxf(lg[0][0], lg[0][1]), fmaxf(lg[1][0], lg[1][1]));
-#pragma unroll
-    for (int off = 4; off <= 16; off <<= 1) cm = fmaxf(cm, __shfl_xor_sync(kFull, cm, off));
-    const float mn = fmaxf(m, cm);
-    const float f = FastExp2(m - mn);
-    m = mn;
-    l *= f;
-    vlo *= f;
-    if (__any_sync(kFull, f != 1.0f)) {
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int bp = 0; bp < 2; ++bp) {
-          o[k][bp][0] *= f;
-          o[k][bp][1] *= f;
-        }
-    }
+    MoveMax(lg);
+    const float mn = m;
     // P' = p·s_V per token; S = its max over the chunk's 32 tokens (fmaxf
     // skips a NaN scale, whose token then gets digit 0).
     float pv[2][2], smax = 0.0f;
@@ -278,17 +276,7 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       pb[tau] = Prmt(TransposeM8N8(w[0]), TransposeM8N8(w[1]), 0x6420u);
     }
     uint32_t t[2][4];
-#pragma unroll
-    for (int tau = 0; tau < 2; ++tau) {
-      const uint32_t v0 = x.vc[tau][0][0], v1 = x.vc[tau][1][0];
-      const uint32_t v2 = x.vc[tau][2][0], v3 = x.vc[tau][3][0];
-      const uint32_t lo01 = Prmt(v0, v1, 0x5140u), hi01 = Prmt(v0, v1, 0x7362u);
-      const uint32_t lo23 = Prmt(v2, v3, 0x5140u), hi23 = Prmt(v2, v3, 0x7362u);
-      t[tau][0] = Prmt(lo01, lo23, 0x5410u);
-      t[tau][1] = Prmt(lo01, lo23, 0x7632u);
-      t[tau][2] = Prmt(hi01, hi23, 0x5410u);
-      t[tau][3] = Prmt(hi01, hi23, 0x7632u);
-    }
+    VCodeBytes(x, t);
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
       const uint32_t msk = 0x03030303u << (2 * k);
