@@ -27,12 +27,14 @@
 //
 // kDigits = 2 (variant 8, the default): P' in 16-bit fixed point of S = the
 // chunk's exact max P' per head (one more 3-step max reduction, after the
-// exponentials), one MMA per 16 dims, a third fewer instructions in P·V.
-// Each term is kept to 2^-17 of the chunk's largest (fp16's precision for
-// the largest P' of each chunk): relative errors vs fp64 of 1e-5..6.3e-5 on
-// the tests' inputs (Qwen3 shape 4.0e-5), against ~0.25 for the 2-bit cache
-// itself vs BF16 attention; 5-7 % faster than 24 bits at 64K-128K tokens and
-// B8 (H200, 2026-11-29, tests/bench/RESULTS.md run 13). With S the bound
+// exponentials), one MMA per 16 dims, about a third fewer instructions in
+// P·V. Each term is kept to 2^-17 of the chunk's largest (fp16's precision
+// for the largest P' of each chunk), and the codes' min term (exact) cancels
+// part of the code term: relative L2 errors vs fp64 of 1e-5..6.3e-5 on the
+// tests' inputs (Qwen3 shape 4.0e-5), up to 5e-4·(1 + |o|) for single
+// elements near zero, against ~0.25 for the 2-bit cache itself vs BF16
+// attention; 5-7 % faster than 24 bits at 64K-128K tokens and B8 (H200,
+// 2026-11-29, tests/bench/RESULTS.md run 13). With S the bound
 // (max p)·(max s_V) instead of the exact max, 16 bits measured 1.0e-4 (run 11).
 // Unlike HistoryWarp, a NaN V scale (a corrupt page; the encoder writes
 // finite scales >= 0) drops that token's P'·codes term instead of turning the

@@ -91,8 +91,9 @@ class AttendLauncher {
   //       query heads per kv head; else 3): 16-18 % faster than 3 at B1 128K
   //       and B8 32K / 64K, 4-13 % at the shorter shapes;
   //   8 = 6 with P' in 16-bit fixed point of each chunk's exact max (relative
-  //       errors up to ~6e-5): the default, 5-7 % faster than 6 at 64K-128K
-  //       tokens and at B8, ~1 % at 8K-32K.
+  //       L2 errors up to ~6e-5, single elements up to ~5e-4·(1 + |o|)): the
+  //       default, 5-7 % faster than 6 at 64K-128K tokens and at B8, ~1 % at
+  //       8K-32K.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
   static constexpr int kNumVariants = 9;
@@ -121,7 +122,7 @@ class AttendLauncher {
   void set_fold_exact(cuda_attend::FoldExact mode) { fold_exact_ = mode; }
 
   // For benchmarks only, results are wrong: parts of the history loop of
-  // variants 0, 3 and 5-7 (D <= 128) to skip, to time the rest in place
+  // variants 0, 3 and 5-8 (D <= 128) to skip, to time the rest in place
   // (bit 1: q·K, bit 2: softmax and P·V, bit 4: the loads after the first
   // two chunks).
   // Takes effect at the next Prepare().
