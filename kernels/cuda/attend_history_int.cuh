@@ -175,6 +175,18 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
     }
   }
 
+  // The P·V MMA's A fragment for code field k and byte pair bp (16 dims x 32
+  // tokens of V codes as u8 values c·4^k), from VCodeBytes' t: one AND per
+  // 4 codes.
+  static __device__ __forceinline__ void FieldFragment(const uint32_t (&t)[2][4], int k, int bp,
+                                                       uint32_t (&a)[4]) {
+    const uint32_t msk = 0x03030303u << (2 * k);
+    a[0] = t[0][2 * bp] & msk;
+    a[1] = t[0][2 * bp + 1] & msk;
+    a[2] = t[1][2 * bp] & msk;
+    a[3] = t[1][2 * bp + 1] & msk;
+  }
+
   // Online softmax and O' += P'V for one chunk, from its logits and V half.
   __device__ __forceinline__ void Accumulate(const Regs& x, const float (&lg)[2][2]) {
     if constexpr (kDigits == 2) {
@@ -221,15 +233,14 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
     uint32_t t[2][4];
     VCodeBytes(x, t);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t msk = 0x03030303u << (2 * k);
+    for (int k = 0; k < 4; ++k)
 #pragma unroll
       for (int bp = 0; bp < 2; ++bp) {
-        const uint32_t a0 = t[0][2 * bp] & msk, a1 = t[0][2 * bp + 1] & msk;
-        const uint32_t a2 = t[1][2 * bp] & msk, a3 = t[1][2 * bp + 1] & msk;
+        uint32_t a[4];
+        FieldFragment(t, k, bp, a);
         int acc[4], acc_lo[4];
-        ImmaU8U8(acc, a0, a1, a2, a3, pb[0][0], pb[0][1]);
-        ImmaU8U8(acc_lo, a0, a1, a2, a3, pb[1][0], pb[1][1]);
+        ImmaU8U8(acc, a[0], a[1], a[2], a[3], pb[0][0], pb[0][1]);
+        ImmaU8U8(acc_lo, a[0], a[1], a[2], a[3], pb[1][0], pb[1][1]);
         // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
         const float hi0 = fmaf(static_cast<float>(acc[0] * 256 + acc[1]), 256.0f,
                                static_cast<float>(acc_lo[0]));
@@ -238,7 +249,6 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
         o[k][bp][0] = fmaf(scl, hi0, o[k][bp][0]);
         o[k][bp][1] = fmaf(scl, hi1, o[k][bp][1]);
       }
-    }
   }
 
   // Accumulate with 16-bit P' of the chunk's exact max (kDigits == 2).
@@ -280,19 +290,17 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
     uint32_t t[2][4];
     VCodeBytes(x, t);
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t msk = 0x03030303u << (2 * k);
+    for (int k = 0; k < 4; ++k)
 #pragma unroll
       for (int bp = 0; bp < 2; ++bp) {
-        const uint32_t a0 = t[0][2 * bp] & msk, a1 = t[0][2 * bp + 1] & msk;
-        const uint32_t a2 = t[1][2 * bp] & msk, a3 = t[1][2 * bp + 1] & msk;
+        uint32_t a[4];
+        FieldFragment(t, k, bp, a);
         int acc[4];
-        ImmaU8U8(acc, a0, a1, a2, a3, pb[0], pb[1]);
+        ImmaU8U8(acc, a[0], a[1], a[2], a[3], pb[0], pb[1]);
         // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
         o[k][bp][0] = fmaf(scl, static_cast<float>(acc[0] * 256 + acc[1]), o[k][bp][0]);
         o[k][bp][1] = fmaf(scl, static_cast<float>(acc[2] * 256 + acc[3]), o[k][bp][1]);
       }
-    }
   }
 
   // Reduces l and vlo over the warp and writes head c's (m, l, acc) into

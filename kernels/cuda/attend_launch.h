@@ -20,7 +20,7 @@ struct LaunchShape {
   int num_work = 0;
   int kv_heads = 0;
   int hq = 0;
-  int variant = 8;  // split-kernel variant (see AttendLauncher::set_variant)
+  int variant = 0;  // split-kernel variant: set by AttendLauncher::Prepare (set_variant)
   int stages = 3;   // kernels enqueued: 1 = prep, 2 = + split, 3 = + merge (all)
   bool wide_merge = false;  // MergeBatch(head_dim, true): some kv head has many partials
 };

@@ -108,15 +108,16 @@ class PinnedRing {
     return FlushLocked(stream);
   }
 
-  // Flushes that failed so far, and the last one's error: a batch's owner
+  // Flushes that failed so far; FailureSince(count) is the last one's error
+  // if any failed after the count was `count`, else OK: a batch's owner
   // learns of a failure even when another call's flush issued its copies.
   uint64_t failures() {
     std::lock_guard<std::mutex> lock(mu_);
     return failures_;
   }
-  absl::Status last_failure() {
+  absl::Status FailureSince(uint64_t count) {
     std::lock_guard<std::mutex> lock(mu_);
-    return last_failure_;
+    return failures_ != count ? last_failure_ : absl::OkStatus();
   }
 
  private:
@@ -211,8 +212,7 @@ class CudaBackend final : public Backend {
     if (tl_copy_batch != this) return absl::OkStatus();
     tl_copy_batch = nullptr;
     OSCARKV_RETURN_IF_ERROR(ReadyToEnqueue());
-    if (ring_.failures() != tl_copy_batch_failures) return ring_.last_failure();
-    return absl::OkStatus();
+    return ring_.FailureSince(tl_copy_batch_failures);
   }
   absl::Status CopyToHost(void* dst, const void* src, size_t bytes) override {
     return Copy(dst, src, bytes, cudaMemcpyDeviceToHost);

@@ -46,11 +46,14 @@ constexpr double kOutTol = 1e-4;
 constexpr double kOutTol16 = 1e-3;
 constexpr double kLseTol = 1e-4;
 
-// The tolerance on the outputs of a batch of this shape under the launcher's
-// variant in this process (OSCARKV_CUDA_ATTEND_VARIANT, else the default).
+// The tolerance on the outputs of a batch of this shape under the variant a
+// launcher of this process starts with (OSCARKV_CUDA_ATTEND_VARIANT, else the
+// default). Called only when a device is present.
 double OutTol(int head_dim, int group_size, int gqa) {
-  const char* v = std::getenv("OSCARKV_CUDA_ATTEND_VARIANT");
-  const int variant = v != nullptr ? std::atoi(v) : AttendLauncher::kDefaultVariant;
+  static const int variant = [] {
+    auto launcher = AttendLauncher::Create(0);
+    return launcher.ok() ? (*launcher)->variant() : AttendLauncher::kDefaultVariant;
+  }();
   return AttendLauncher::UsesFixedPoint16(variant, head_dim, group_size, gqa) ? kOutTol16 : kOutTol;
 }
 
