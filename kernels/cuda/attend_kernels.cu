@@ -275,12 +275,12 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // most 4 query heads per kv head; other shapes run variants 0 / 2); 6 / 7 =
 // q·K and P·V on the integer tensor cores (HistoryWarpIntPv, 24-bit P'; D =
 // 128, one quantization group, at most 4 query heads per kv head; other
-// shapes run 3) at 3 / 4 blocks per SM; 8 = 6 with 16-bit P'.
+// shapes run 3) at 3 / 4 blocks per SM; 8 / 9 = 6 / 7 with 16-bit P'.
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
-  return (variant == 6 || variant == 7 || variant == 8) && head_dim == 128 && groups == 1 && !g8;
+  return variant >= 6 && variant <= 9 && head_dim == 128 && groups == 1 && !g8;
 }
 inline bool UsesIntQk(int variant, int head_dim, bool g8) {
-  return (variant >= 3 && variant <= 8) && head_dim == 128 && !g8;
+  return (variant >= 3 && variant <= 9) && head_dim == 128 && !g8;
 }
 
 template <int D, int NG, bool G8>
@@ -293,9 +293,10 @@ auto SplitKernelFor(int variant) {
     if (variant == 6) return &SplitKernel<D, NG, G8, 3, true, false, false, 3>;
     if (variant == 7) return &SplitKernel<D, NG, G8, 4, true, false, false, 3>;
     if (variant == 8) return &SplitKernel<D, NG, G8, 3, true, false, false, 2>;
+    if (variant == 9) return &SplitKernel<D, NG, G8, 4, true, false, false, 2>;
   }
   if constexpr (D == 128 && !G8) {
-    if (variant == 3 || variant == 6 || variant == 7 || variant == 8) {
+    if (variant == 3 || (variant >= 6 && variant <= 9)) {
       return &SplitKernel<D, NG, G8, 3, true, false, true>;
     }
     // 5 = 3 held to 4 blocks per SM (at most 128 registers): more warps to hide latency.
@@ -373,7 +374,7 @@ absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(Bl
 }  // namespace cuda_attend
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {
-  return variant == 8 && group_size > 0 &&
+  return (variant == 8 || variant == 9) && group_size > 0 &&
          cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
 }
 }  // namespace oscarkv

@@ -93,10 +93,11 @@ class AttendLauncher {
   //   8 = 6 with P' in 16-bit fixed point of each chunk's exact max (relative
   //       L2 errors up to ~6e-5, single elements up to ~5e-4·(1 + |o|)): the
   //       default, 5-7 % faster than 6 at 64K-128K tokens and at B8, ~1 % at
-  //       8K-32K.
+  //       8K-32K;
+  //   9 = 8 held to 128 registers (4 blocks/SM).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 9;
+  static constexpr int kNumVariants = 10;
   static constexpr int kDefaultVariant = 8;
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }

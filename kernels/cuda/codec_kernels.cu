@@ -96,24 +96,41 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
   // For the usual ratios (0.9..1) top is a handful of elements: each lane
   // sorts its E values (largest first), then every round takes the warp's
   // largest value left (one integer max-reduction: |y| bits order like the
-  // floats) and the lanes holding it drop their head. Without repeated values
-  // among the largest, round `top` yields the answer; a repeat makes a round
-  // drop several at once, so the result is checked (#(> x) < top <= #(>= x))
-  // and rows that fail take rounds that count what they drop, a run of equal
-  // values per round, as the CPU's MthLargest does.
+  // floats) and the lanes holding it drop their head. If every round dropped
+  // exactly one value (the drops add up to top), the last round's value is
+  // the answer. A value repeated on several lanes makes a round drop several
+  // at once; rows where that happened take rounds that count what they drop,
+  // a run of equal values per round, as the CPU's MthLargest does.
   if (kUseMaxExtraction && max_top <= kMaxExtraction) {
+    int drops[R];
 #pragma unroll
-    for (int r = 0; r < R; ++r) SortDescending<E>(u[r]);
-    for (int it = 0; it < max_top; ++it) {
+    for (int r = 0; r < R; ++r) {
+      SortDescending<E>(u[r]);
+      drops[r] = 0;
+    }
+    // One round of row r: its largest value left, dropped by its holders.
+    const auto round = [&](int r) {
+      const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);
+      const bool hit = u[r][0] == gm;
+      x[r] = gm;
+      drops[r] += hit ? 1 : 0;
 #pragma unroll
-      for (int r = 0; r < R; ++r) {
-        if (it >= top[r]) continue;  // warp-uniform
-        const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);
-        x[r] = gm;
-        if (u[r][0] == gm) {
+      for (int i = 0; i + 1 < E; ++i) u[r][i] = hit ? u[r][i + 1] : u[r][i];
+      u[r][E - 1] = hit ? 0u : u[r][E - 1];
+    };
+    bool same_top = true;
 #pragma unroll
-          for (int i = 0; i + 1 < E; ++i) u[r][i] = u[r][i + 1];
-          u[r][E - 1] = 0;
+    for (int r = 1; r < R; ++r) same_top = same_top && top[r] == top[0];
+    if (same_top) {  // the usual case (a tile's rows share a kind): no per-row test per round
+      for (int it = 0; it < max_top; ++it) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) round(r);
+      }
+    } else {
+      for (int it = 0; it < max_top; ++it) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          if (it < top[r]) round(r);  // warp-uniform
         }
       }
     }
@@ -121,20 +138,15 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
     bool wrong[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      int counts = 0;  // #(> x) in the low half, #(>= x) in the high half
-#pragma unroll
-      for (int i = 0; i < E; ++i) {
-        u[r][i] = __float_as_uint(fabsf(yrows[r][lane + 32 * i]));
-        counts += (u[r][i] > x[r] ? 1 : 0) + (u[r][i] >= x[r] ? 0x10000 : 0);
-      }
-      counts = __reduce_add_sync(0xffffffffu, counts);
-      wrong[r] = top[r] > 0 && !((counts & 0xffff) < top[r] && (counts >> 16) >= top[r]);
+      wrong[r] = top[r] > 0 && __reduce_add_sync(0xffffffffu, drops[r]) != top[r];
       recount = recount || wrong[r];
     }
     if (recount) {  // warp-uniform; rare (equal values among the largest)
 #pragma unroll
       for (int r = 0; r < R; ++r) {
         if (!wrong[r]) continue;
+#pragma unroll
+        for (int i = 0; i < E; ++i) u[r][i] = __float_as_uint(fabsf(yrows[r][lane + 32 * i]));
         SortDescending<E>(u[r]);
         for (int found = 0; found < top[r];) {
           const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);

@@ -169,6 +169,8 @@ const CodecCase kCases[] = {
     // Blocks only 8-byte aligned (the job contract's minimum), clip ratios
     // that keep 40 of 128 (past the max-extraction path) and 24 of 64.
     {2, 128, 128, 32, 6, 0.7f, 0.9f, false, 4}, {2, 64, 32, 16, 6, 0.95f, 0.63f, true, 4},
+    // Group sizes 8 and 64 at D = 128, odd page sizes (4-byte aligned code rows).
+    {2, 128, 8, 9, 6, 0.96f, 0.92f, false}, {3, 128, 64, 11, 6, 0.96f, 0.92f, true},
 };
 
 TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
