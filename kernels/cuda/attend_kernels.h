@@ -94,7 +94,9 @@ class AttendLauncher {
   //       L2 errors up to ~6e-5, single elements up to ~5e-4·(1 + |o|)): the
   //       default, 5-7 % faster than 6 at 64K-128K tokens and at B8, ~1 % at
   //       8K-32K;
-  //   9 = 8 held to 128 registers (4 blocks/SM).
+  //   9 = 8 held to 128 registers (4 blocks/SM, 16 bytes of spills): 2-4 %
+  //       faster than 8 at B1 128K and B8 64K, 9 % slower at 8K and 16 %
+  //       at B8 32K (2026-11-30, run 14); kept for measurement.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
   static constexpr int kNumVariants = 10;
