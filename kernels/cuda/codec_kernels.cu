@@ -109,7 +109,7 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
       drops[r] = 0;
     }
     // One round of row r: its largest value left, dropped by its holders.
-    const auto round = [&](int r) {
+    const auto take_largest = [&](int r) {
       const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);
       const bool hit = u[r][0] == gm;
       x[r] = gm;
@@ -124,13 +124,13 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
     if (same_top) {  // the usual case (a tile's rows share a kind): no per-row test per round
       for (int it = 0; it < max_top; ++it) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) round(r);
+        for (int r = 0; r < R; ++r) take_largest(r);
       }
     } else {
       for (int it = 0; it < max_top; ++it) {
 #pragma unroll
         for (int r = 0; r < R; ++r) {
-          if (it < top[r]) round(r);  // warp-uniform
+          if (it < top[r]) take_largest(r);  // warp-uniform
         }
       }
     }
