@@ -59,7 +59,10 @@ grpc::ServerUnaryReactor* KvCacheService::AppendKv(grpc::CallbackServerContext* 
                                                c.v().size()));
     if (ctx_.metrics) ctx_.metrics->AddIngestBytesIn(int64_t(c.k().size() + c.v().size()));
     const SequenceStats st = ctx_.store->Stat(seq);
-    response->set_tokens(st.tokens);
+    // Append took each appended layer from start_token to start_token + n
+    // (it refuses a chunk that does not start at the layer's end); st.tokens
+    // is the minimum over all layers, which a per-layer append need not move.
+    response->set_tokens(c.start_token() + c.num_tokens());
     response->set_stored_bytes(st.totals.slot_bytes);
     return absl::OkStatus();
   }();
@@ -170,11 +173,14 @@ absl::Status KvCacheService::DoLoadCalibration(const v1::LoadCalibrationRequest&
   OSCARKV_ASSIGN_OR_RETURN(std::shared_ptr<const ModelEntry> entry,
                            MakeModelEntry(request.model(), std::move(rotation), ctx_.tiers,
                                           ctx_.group_size, *ctx_.backend));
-  OSCARKV_RETURN_IF_ERROR(ctx_.store->ProbeModel(*entry));
+  // The refusals first: the probe takes a page and a block from the pool and,
+  // under lru, may evict a stored sequence to get them.
+  OSCARKV_RETURN_IF_ERROR(ctx_.models->CheckRegistrable(entry->name, request.replace()));
   if (request.replace() && ctx_.store->CountSequences(entry->name) > 0) {
     return absl::FailedPreconditionError(
         absl::StrCat("model '", entry->name, "' has stored sequences; drop them first"));
   }
+  OSCARKV_RETURN_IF_ERROR(ctx_.store->ProbeModel(*entry));
   OSCARKV_RETURN_IF_ERROR(ctx_.models->Register(entry, request.replace()));
   ToProto(*entry, 0, response->mutable_model());
   return absl::OkStatus();

@@ -65,13 +65,22 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> MakeModelEntry(const std::stri
   return std::shared_ptr<const ModelEntry>(std::move(entry));
 }
 
+absl::Status ModelRegistry::CheckRegistrableLocked(const std::string& name, bool replace) const {
+  if (models_.count(name) != 0 && !replace) {
+    return absl::AlreadyExistsError(
+        absl::StrCat("model '", name, "' is already registered (set replace to swap it)"));
+  }
+  return absl::OkStatus();
+}
+
+absl::Status ModelRegistry::CheckRegistrable(const std::string& name, bool replace) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CheckRegistrableLocked(name, replace);
+}
+
 absl::Status ModelRegistry::Register(std::shared_ptr<const ModelEntry> entry, bool replace) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = models_.find(entry->name);
-  if (it != models_.end() && !replace) {
-    return absl::AlreadyExistsError(
-        absl::StrCat("model '", entry->name, "' is already registered (set replace to swap it)"));
-  }
+  OSCARKV_RETURN_IF_ERROR(CheckRegistrableLocked(entry->name, replace));
   models_[entry->name] = std::move(entry);
   return absl::OkStatus();
 }

@@ -55,11 +55,16 @@ class ModelRegistry {
  public:
   // Registers `entry`. ALREADY_EXISTS when the name is taken and !replace.
   absl::Status Register(std::shared_ptr<const ModelEntry> entry, bool replace);
+  // What Register would answer for `name` now (it checks again itself).
+  absl::Status CheckRegistrable(const std::string& name, bool replace) const;
   // NOT_FOUND naming the model and the registered names.
   absl::StatusOr<std::shared_ptr<const ModelEntry>> Find(const std::string& name) const;
   std::vector<std::shared_ptr<const ModelEntry>> List() const;  // by name
 
  private:
+  absl::Status CheckRegistrableLocked(const std::string& name, bool replace) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
+
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<const ModelEntry>> models_ ABSL_GUARDED_BY(mu_);
 };

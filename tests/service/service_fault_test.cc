@@ -270,6 +270,46 @@ TEST(Fault, FullPoolWithRefusePolicyIsResourceExhaustedAndChangesNothing) {
   EXPECT_EQ(ts.client->Info()->evictions(), 0);
 }
 
+// LoadCalibration probes a new model with one page and one block from the
+// pool. A request that is refused anyway (the name is taken, no replace)
+// must be refused before that probe: on a full pool the probe would evict a
+// stored sequence (lru) or answer RESOURCE_EXHAUSTED (refuse).
+TEST(Fault, RefusedLoadCalibrationTakesNothingFromAFullPool) {
+  OSCARKV_SKIP_UNLESS_8_TOKEN_PAGES();
+  for (const EvictionPolicy policy : {EvictionPolicy::kRefuse, EvictionPolicy::kLru}) {
+    SCOPED_TRACE(policy == EvictionPolicy::kLru ? "lru" : "refuse");
+    TestServer ts(SmallPool(policy));
+    ASSERT_NE(ts.client, nullptr);
+    // 8-token sequences (one exact block per layer) until the blocks run out.
+    const KvData data = MakeKv(TinyLayout(), 8, 5);
+    int stored = 0;
+    for (; stored < 64; ++stored) {
+      auto put = ts.client->PutSequence("s" + std::to_string(stored), kTinyModel, TinyLayout(), 8,
+                                        data.k.data(), data.v.data());
+      if (!put.ok()) {
+        ASSERT_EQ(put.status().code(), absl::StatusCode::kResourceExhausted) << put.status();
+        break;
+      }
+      if (ts.client->Info()->evictions() > 0) break;  // lru: the pool was full
+    }
+    ASSERT_GT(stored, 0);
+    const int64_t evictions = ts.client->Info()->evictions();
+    const int64_t sequences = ts.client->Info()->sequences();
+    v1::LoadCalibrationRequest req;
+    req.set_model(kTinyModel);
+    const ModelLayout tiny = TinyLayout();
+    v1::ModelLayout* l = req.mutable_hadamard_layout();
+    l->set_num_layers(tiny.num_layers);
+    l->set_num_q_heads(tiny.num_q_heads);
+    l->set_num_kv_heads(tiny.num_kv_heads);
+    l->set_head_dim(tiny.head_dim);
+    ExpectStatus(ts.client->LoadCalibration(req).status(), absl::StatusCode::kAlreadyExists,
+                 "already registered");
+    EXPECT_EQ(ts.client->Info()->evictions(), evictions);
+    EXPECT_EQ(ts.client->Info()->sequences(), sequences);
+  }
+}
+
 TEST(Fault, SixteenConcurrentClientsKeepExactAccounting) {
   TestServer ts(TinyServerOptions(size_t{16} << 20));
   ASSERT_NE(ts.client, nullptr);

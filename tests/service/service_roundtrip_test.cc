@@ -137,6 +137,30 @@ TEST(Service, ServesOverAUnixDomainSocket) {
   }
 }
 
+// AppendKv's reply carries the tokens now held by the appended layer(s): a
+// per-layer append moves that layer past the others, whose minimum Stat
+// reports.
+TEST(Service, PerLayerAppendReportsTheAppendedLayersTokens) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 12, 8);
+  const KvData first10 = data.Prefix(10);
+  ASSERT_TRUE(
+      ts.client->PutSequence("p", kTinyModel, layout, 10, first10.k.data(), first10.v.data()).ok());
+  for (int t = 10; t < 12; ++t) {
+    auto n = ts.client->Append("p", layout, 0, t, 1, data.k_at(0, t), data.v_at(0, t));
+    ASSERT_TRUE(n.ok()) << n.status();
+    EXPECT_EQ(*n, t + 1);
+  }
+  auto st = ts.client->Stat("p");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->tokens(), 10);  // the minimum over layers: layer 1 holds 10
+  auto n = ts.client->Append("p", layout, 1, 10, 1, data.k_at(1, 10), data.v_at(1, 10));
+  ASSERT_TRUE(n.ok()) << n.status();
+  EXPECT_EQ(*n, 11);
+}
+
 TEST(Service, AppendAcrossDemotionBoundaryKeepsTiersAndAttention) {
   OSCARKV_SKIP_UNLESS_8_TOKEN_PAGES();
   TestServer ts;
