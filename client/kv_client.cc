@@ -72,7 +72,8 @@ absl::StatusOr<int64_t> KvClient::Append(const std::string& sequence_id,
                                          const bf16_bits* v) {
   v1::AppendKvRequest req;
   req.set_sequence_id(sequence_id);
-  FillKvChunk(layout, layer, start_token, n, k, v, req.mutable_chunk());
+  OSCARKV_RETURN_IF_ERROR(
+      FillKvChunk(layout, layer, start_token, n, k, v, req.mutable_chunk()).status());
   v1::AppendKvResponse resp;
   // Sent at most once (see WithRetry).
   OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {

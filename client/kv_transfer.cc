@@ -37,7 +37,8 @@ absl::Status PutStream::Write(int layer, int64_t start_token, int64_t n, const b
                               const bf16_bits* v) {
   if (done_) return absl::FailedPreconditionError("PutStream already finished");
   v1::PutKvRequest req;
-  const size_t bytes = FillKvChunk(layout_, layer, start_token, n, k, v, req.mutable_chunk());
+  OSCARKV_ASSIGN_OR_RETURN(const size_t bytes,
+                           FillKvChunk(layout_, layer, start_token, n, k, v, req.mutable_chunk()));
   if (!writer_->Write(req)) {
     // The server ended the stream (an error status is waiting in Finish()).
     done_ = true;

@@ -53,6 +53,12 @@ absl::StatusOr<std::unique_ptr<LocalAttention>> LocalAttention::Create(FetchedSe
     auto layer = std::make_unique<Layer>();
     layer->tokens = f.tokens;
     if (f.num_matrices > 0) {
+      // One matrix for all heads, or one per kv head (the kernels' stride).
+      if (f.num_matrices != 1 && f.num_matrices != la->layout_.num_kv_heads) {
+        return absl::InvalidArgumentError(
+            absl::StrCat("layer ", l, ": ", f.num_matrices, " rotation matrices for ",
+                         la->layout_.num_kv_heads, " kv heads (expected 1 or one per kv head)"));
+      }
       const size_t expect = size_t(f.num_matrices) * d * d;
       if (f.r_k.size() != expect || f.r_v.size() != expect) {
         return absl::InvalidArgumentError(absl::StrCat("layer ", l, ": rotation has ",

@@ -202,6 +202,19 @@ TEST_F(BadInput, ClientRefusesAFusedAppendWithOnlyKOrOnlyV) {
   ExpectStatus(r.status(), absl::StatusCode::kInvalidArgument, "needs both k and v");
 }
 
+// Chunk arguments the client cannot even copy are refused before any RPC.
+TEST_F(BadInput, ClientRefusesANegativeTokenCountOrMissingRows) {
+  const ModelLayout layout = TinyLayout();
+  ExpectStatus(ts_.client->Append("any", layout, 0, 0, -1, data_.k.data(), data_.v.data()).status(),
+               absl::StatusCode::kInvalidArgument, "token count -1");
+  ExpectStatus(ts_.client->Append("any", layout, 0, 0, 1, nullptr, data_.v.data()).status(),
+               absl::StatusCode::kInvalidArgument, "rows are needed");
+  auto put = ts_.client->OpenPut("neg", kTinyModel, layout, false, 0);
+  ASSERT_TRUE(put.ok()) << put.status();
+  ExpectStatus((*put)->Write(-1, 0, -5, data_.k.data(), data_.v.data()),
+               absl::StatusCode::kInvalidArgument, "token count -5");
+}
+
 TEST_F(BadInput, EmptyStreamsAreRefused) {
   ExpectStatus(RawPut(*ts_.client, {}), grpc::StatusCode::INVALID_ARGUMENT, "without a header");
   ExpectStatus(RawPut(*ts_.client, {Header("e")}), grpc::StatusCode::INVALID_ARGUMENT,

@@ -96,6 +96,28 @@ TEST(Service, AttendEqualsLocalAttentionOnFetchedPagesAndFp64Reference) {
   EXPECT_THAT(MaxAbsDiff((*remote)[0].lse, lse_ref), Lt(1e-4));
 }
 
+// A fetched layer's rotation is one matrix for all kv heads or one per kv
+// head; any other count (a reply from a mismatched server) is refused, not
+// read with a per-head stride past its end.
+TEST(Service, LocalAttentionRefusesARotationOfTheWrongMatrixCount) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 40, 4);
+  ASSERT_TRUE(ts.client->PutSequence("m", kTinyModel, layout, data.tokens, data.k.data(),
+                                     data.v.data())
+                  .ok());
+  auto fetched = ts.client->GetKv("m", v1::KV_FORMAT_COMPRESSED);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  const int matrices = layout.num_kv_heads + 1;
+  const size_t floats = size_t(matrices) * layout.head_dim * layout.head_dim;
+  fetched->layers[1].num_matrices = matrices;
+  fetched->layers[1].r_k.assign(floats, 0.0f);
+  fetched->layers[1].r_v.assign(floats, 0.0f);
+  auto local = LocalAttention::Create(std::move(*fetched), 1);
+  ExpectStatus(local.status(), absl::StatusCode::kInvalidArgument, "rotation matrices for");
+}
+
 // A sidecar's clients on the same host may use a Unix domain socket.
 TEST(Service, ServesOverAUnixDomainSocket) {
   const std::string path = ::oscarkv::testing::UniqueTempPath("uds");
