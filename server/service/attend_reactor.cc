@@ -115,6 +115,22 @@ class AttendReactor final : public grpc::ServerBidiReactor<v1::AttendRequest, v1
         task_item.push_back(i);
       }
     }
+    // The reply must fit one message. Its outputs are sized by now; the
+    // tokens and code fields add a few bytes per item. A reply that would
+    // not fit is refused item by item before anything runs, so no fused
+    // append is applied for an answer the client cannot receive.
+    const size_t reply_bound = response_.ByteSizeLong() + size_t(n) * 32;
+    if (c.max_message_bytes > 0 && reply_bound > size_t(c.max_message_bytes)) {
+      const absl::Status too_big = absl::ResourceExhaustedError(absl::StrCat(
+          "the reply to this Attend message would take about ", reply_bound,
+          " bytes; this server's message limit is ", c.max_message_bytes,
+          " (send fewer items per message); nothing was appended"));
+      for (int i = 0; i < n; ++i) {
+        if (status[i].ok()) status[i] = too_big;
+      }
+      tasks.clear();
+      task_item.clear();
+    }
     const auto t0 = Clock::now();
     c.store->AttendMany(tasks);
     if (c.metrics && !tasks.empty()) {

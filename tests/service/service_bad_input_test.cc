@@ -215,6 +215,45 @@ TEST_F(BadInput, ClientRefusesANegativeTokenCountOrMissingRows) {
                absl::StatusCode::kInvalidArgument, "token count -5");
 }
 
+// An Attend message whose reply would not fit the message limit (each item's
+// reply holds out and lse, more than its query) is refused item by item
+// before anything runs: its fused append is not applied, and the stream
+// stays usable.
+TEST(AttendLimits, AReplyLargerThanTheMessageLimitAppliesNothing) {
+  ServerOptions o = TinyServerOptions();
+  o.max_message_bytes = 1 << 20;
+  TestServer ts(o);
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 25, 12);
+  const KvData first24 = data.Prefix(24);
+  ASSERT_TRUE(
+      ts.client->PutSequence("r", kTinyModel, layout, 24, first24.k.data(), first24.v.data()).ok());
+  const std::vector<float> q = RandomQuery(layout, 5);
+  // ~2.06 KB of query per item, ~2.09 KB of reply with lse: 500 items fit a
+  // 1 MiB request but not their reply.
+  std::vector<AttendQuery> items(500, AttendQuery{"r", 0, q.data()});
+  items[0] = AttendQuery{"r", 0, q.data(), data.k_at(0, 24), data.v_at(0, 24), 24};
+  auto session = ts.client->OpenAttend();
+  ASSERT_TRUE(session.ok()) << session.status();
+  auto r = (*session)->Call(items, {layout}, /*return_lse=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_EQ(r->size(), items.size());
+  for (const AttendOutput& o : *r) {
+    ExpectStatus(o.status, absl::StatusCode::kResourceExhausted, "message limit");
+  }
+  auto st = ts.client->Stat("r");
+  ASSERT_TRUE(st.ok());
+  EXPECT_EQ(st->tokens(), 24) << "the fused append was applied";
+  // The same stream answers a batch that fits, the append included.
+  items.resize(2);
+  r = (*session)->Call(items, {layout}, true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  EXPECT_EQ((*r)[0].tokens, 25);
+  EXPECT_TRUE((*session)->Close().ok());
+}
+
 TEST_F(BadInput, EmptyStreamsAreRefused) {
   ExpectStatus(RawPut(*ts_.client, {}), grpc::StatusCode::INVALID_ARGUMENT, "without a header");
   ExpectStatus(RawPut(*ts_.client, {Header("e")}), grpc::StatusCode::INVALID_ARGUMENT,
