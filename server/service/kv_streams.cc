@@ -16,6 +16,14 @@ using Clock = std::chrono::steady_clock;
 constexpr int64_t kDefaultChunkBytes = 1 << 20;
 constexpr int64_t kMessageHeadroom = 64 << 10;  // protobuf framing and small fields
 
+// One token of one layer, K and V in BF16.
+int64_t TokenBytes(const ModelEntry& m) { return int64_t(m.geom.exact_row_elems()) * 2 * 2; }
+// A layer's rotation as GetKv sends it (R_K and R_V, fp32).
+int64_t RotationBytes(const ModelEntry& m, int layer) {
+  const LayerRotation& r = m.rotation.layers[layer];
+  return int64_t(r.r_k.size() + r.r_v.size()) * int64_t(sizeof(float));
+}
+
 // Reads a header, then chunks; commits the sequence when the client
 // half-closes. Any error, a cancellation or a disconnect destroys the
 // IngestSession, which frees everything the stream had stored.
@@ -162,6 +170,24 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
     chunk_bytes_ = request_.max_chunk_bytes() > 0 ? request_.max_chunk_bytes() : kDefaultChunkBytes;
     chunk_bytes_ = std::min(chunk_bytes_, std::max<int64_t>(c.max_message_bytes - kMessageHeadroom,
                                                             int64_t{1} << 16));
+    // Every message carries at least one token row or one page, and a
+    // layer's first COMPRESSED message its rotation: refuse up front what can
+    // never fit, rather than end the stream midway.
+    const int64_t unit = bf16_ ? TokenBytes(m) : std::max(TokenBytes(m), int64_t(m.geom.page_bytes()));
+    int64_t rotation = 0;
+    if (!bf16_ && request_.include_rotation()) {
+      for (int l : layers_) rotation = std::max(rotation, RotationBytes(m, l));
+    }
+    if (unit + rotation + kMessageHeadroom > c.max_message_bytes) {
+      return absl::ResourceExhaustedError(absl::StrCat(
+          "a GetKv message of this model needs ", unit + rotation + kMessageHeadroom,
+          " bytes (", rotation, " of rotation, ", unit,
+          " of one token row or page, and headroom); this server's message limit is ",
+          c.max_message_bytes,
+          rotation > 0 ? " (fetch without include_rotation and take the model's rotation "
+                         "from its calibration file)"
+                       : ""));
+    }
     ToProto(c.store->Stat(seq_), message_.mutable_header());
     header_pending_ = true;
     return absl::OkStatus();
@@ -190,8 +216,6 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
     const ServiceContext& c = svc_->context();
     const ModelEntry& m = seq_->model();
     const size_t row = m.geom.exact_row_elems();
-    const int64_t token_bytes = int64_t(row) * 2 * 2;  // K and V, BF16
-    const int64_t tokens_per_chunk = std::max<int64_t>(1, chunk_bytes_ / token_bytes);
     for (;;) {
       if (layer_index_ >= layers_.size()) {
         *done = true;
@@ -211,6 +235,7 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
       }
       if (bf16_) {
         if (offset_ < tokens_) {
+          const int64_t tokens_per_chunk = std::max<int64_t>(1, chunk_bytes_ / TokenBytes(m));
           const int64_t n = std::min(tokens_per_chunk, tokens_ - offset_);
           v1::KvChunk* out = message_.mutable_bf16();
           out->set_layer(layer);
@@ -221,7 +246,7 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
           offset_ += n;
           return absl::OkStatus();
         }
-      } else if (ProduceCompressed(layer, tokens_per_chunk)) {
+      } else if (ProduceCompressed(layer)) {
         return absl::OkStatus();
       }
       ++layer_index_;
@@ -230,10 +255,15 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
   }
 
   // Emits the next compressed piece of `layer`; false when the layer is done.
-  bool ProduceCompressed(int layer, int64_t tokens_per_chunk) {
+  // The layer's first piece carries its rotation (include_rotation), whose
+  // bytes come out of that message's budget.
+  bool ProduceCompressed(int layer) {
     const ModelEntry& m = seq_->model();
     const CompressedLayer& cl = compressed_;
     const size_t row = m.geom.exact_row_elems();
+    const int64_t budget =
+        chunk_bytes_ - (first_of_layer_ && request_.include_rotation() ? RotationBytes(m, layer) : 0);
+    const int64_t tokens_per_chunk = std::max<int64_t>(1, budget / TokenBytes(m));
     const int p = m.geom.page_tokens;
     auto exact = [&](v1::Tier tier, int64_t base, int64_t total, const std::vector<bf16_bits>& k,
                      const std::vector<bf16_bits>& v) {
@@ -252,7 +282,7 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
       } else if (phase_ == 1) {
         if (offset_ < cl.counts.pages) {
           const int64_t page_bytes = int64_t(m.geom.page_bytes());
-          const int64_t pages_per_chunk = std::max<int64_t>(1, chunk_bytes_ / page_bytes);
+          const int64_t pages_per_chunk = std::max<int64_t>(1, budget / page_bytes);
           const int64_t n = std::min(pages_per_chunk, cl.counts.pages - offset_);
           v1::CompressedChunk* out =
               Begin(layer, v1::TIER_HISTORY, cl.counts.sink + offset_ * p, n * p);

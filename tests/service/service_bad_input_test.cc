@@ -254,6 +254,44 @@ TEST(AttendLimits, AReplyLargerThanTheMessageLimitAppliesNothing) {
   EXPECT_TRUE((*session)->Close().ok());
 }
 
+// GetKv with include_rotation: a layer's first message carries the rotation
+// (512 KiB at D = 256) next to its first chunk (the 64-token sink, 1 MiB of
+// BF16), so the chunk must shrink by the rotation's bytes to keep the message
+// within the server's limit.
+TEST(GetKvLimits, ARotationAndItsChunkStayWithinTheMessageLimit) {
+  ServerOptions o = TinyServerOptions(size_t{64} << 20);
+  o.max_message_bytes = 1 << 20;
+  o.models = {"big:1:16:16:256"};
+  o.tiers = TierConfig{64, 64, 32};
+  TestServer ts(o);
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout big{1, 16, 16, 256};
+  const KvData data = MakeKv(big, 100, 3);
+  ASSERT_TRUE(ts.client->PutSequence("g", "big", big, 100, data.k.data(), data.v.data()).ok());
+  // The server's own chunk size (max_chunk_bytes 0), read raw.
+  grpc::ClientContext ctx;
+  ctx.set_deadline(std::chrono::system_clock::now() + std::chrono::seconds(20));
+  v1::GetKvRequest req;
+  req.set_sequence_id("g");
+  req.set_format(v1::KV_FORMAT_COMPRESSED);
+  req.set_include_rotation(true);
+  auto reader = ts.client->stub().GetKv(&ctx, req);
+  v1::GetKvResponse msg;
+  int64_t rotation_floats = 0, tokens = 0;
+  while (reader->Read(&msg)) {
+    EXPECT_LE(msg.ByteSizeLong(), size_t{1} << 20);
+    if (!msg.has_compressed()) continue;
+    tokens += msg.compressed().num_tokens();
+    if (msg.compressed().has_rotation()) {
+      rotation_floats += int64_t(msg.compressed().rotation().r_k().size() / 4);
+    }
+  }
+  const grpc::Status st = reader->Finish();
+  EXPECT_TRUE(st.ok()) << st.error_message();
+  EXPECT_EQ(rotation_floats, 256 * 256);
+  EXPECT_EQ(tokens, 100);
+}
+
 TEST_F(BadInput, EmptyStreamsAreRefused) {
   ExpectStatus(RawPut(*ts_.client, {}), grpc::StatusCode::INVALID_ARGUMENT, "without a header");
   ExpectStatus(RawPut(*ts_.client, {Header("e")}), grpc::StatusCode::INVALID_ARGUMENT,
