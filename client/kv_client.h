@@ -93,6 +93,13 @@ struct FetchedSequence {
   int64_t bytes_received = 0;
 };
 
+// Whether `f` is consistent in itself: every layer in `layers` (all of the
+// layout's when empty) is present, and each present layer's bytes match its
+// token counts, tiers (COMPRESSED: page geometry of info's layout and tiers)
+// and rotation (1 or num_kv_heads matrices of D x D). DATA_LOSS naming the
+// first mismatch otherwise. GetKv checks every reply with it.
+absl::Status CheckFetchedSequence(const FetchedSequence& f, const std::vector<int>& layers = {});
+
 struct AttendQuery {
   std::string sequence_id;
   int layer = 0;

@@ -6,6 +6,7 @@
 #include "absl/strings/str_cat.h"
 #include "client/kv_chunk.h"
 #include "client/kv_client.h"
+#include "kernels/cpu/cpu_backend.h"
 #include "kernels/status_macros.h"
 
 namespace oscarkv {
@@ -20,7 +21,76 @@ void AppendBytes(const std::string& bytes, std::vector<T>* out) {
   std::memcpy(out->data() + old, bytes.data(), n * sizeof(T));
 }
 
+absl::Status Inconsistent(int layer, const std::string& what) {
+  return absl::DataLossError(absl::StrCat("fetched sequence: layer ", layer, ": ", what));
+}
+
+// Elements of `bytes` bytes of T, or -1 when the count is not whole.
+template <typename T>
+int64_t Elements(size_t bytes) {
+  return bytes % sizeof(T) == 0 ? int64_t(bytes / sizeof(T)) : -1;
+}
+
 }  // namespace
+
+absl::Status CheckFetchedSequence(const FetchedSequence& f, const std::vector<int>& layers) {
+  const ModelLayout layout{f.info.layout().num_layers(), f.info.layout().num_q_heads(),
+                           f.info.layout().num_kv_heads(), f.info.layout().head_dim()};
+  if (!ValidateLayout(layout).ok() || f.layers.size() != size_t(layout.num_layers) ||
+      f.present.size() != f.layers.size()) {
+    return absl::DataLossError("fetched sequence: no valid header (model layout)");
+  }
+  for (int l : layers) {
+    if (l < 0 || l >= layout.num_layers || !f.present[l]) return Inconsistent(l, "missing");
+  }
+  if (layers.empty()) {
+    for (int l = 0; l < layout.num_layers; ++l) {
+      if (!f.present[l]) return Inconsistent(l, "missing");
+    }
+  }
+  const int64_t row = layout.kv_row_elems(), d = layout.head_dim;
+  const TierConfig tiers{f.info.tiers().sink_tokens(), f.info.tiers().recent_window(),
+                         f.info.tiers().page_tokens()};
+  const PageGeometry geom = MakeGeometry(layout, tiers, f.info.tiers().group_size());
+  if (f.format == v1::KV_FORMAT_COMPRESSED && !ValidateGeometry(geom).ok()) {
+    return absl::DataLossError("fetched sequence: no valid header (tiers)");
+  }
+  for (int l = 0; l < layout.num_layers; ++l) {
+    if (!f.present[l]) continue;
+    const FetchedLayer& fl = f.layers[l];
+    if (f.format == v1::KV_FORMAT_BF16) {
+      if (fl.tokens < 0 || int64_t(fl.k.size()) != fl.tokens * row || fl.v.size() != fl.k.size()) {
+        return Inconsistent(l, absl::StrCat(fl.k.size(), " K and ", fl.v.size(),
+                                            " V elements for ", fl.tokens, " tokens"));
+      }
+      continue;
+    }
+    const int p = geom.page_tokens;
+    if (fl.sink_tokens < 0 || fl.recent_tokens < 0 || fl.history_tokens < 0 ||
+        fl.history_tokens % p != 0 || int64_t(fl.sink_k.size()) != fl.sink_tokens * row ||
+        fl.sink_v.size() != fl.sink_k.size() ||
+        int64_t(fl.recent_k.size()) != fl.recent_tokens * row ||
+        fl.recent_v.size() != fl.recent_k.size() ||
+        int64_t(fl.pages.size()) != fl.history_tokens / p * int64_t(geom.page_bytes())) {
+      return Inconsistent(l, absl::StrCat("tiers of ", fl.sink_tokens, " + ", fl.history_tokens,
+                                          " + ", fl.recent_tokens,
+                                          " tokens do not match their bytes"));
+    }
+    if (fl.num_matrices != 0) {
+      if (fl.num_matrices != 1 && fl.num_matrices != layout.num_kv_heads) {
+        return Inconsistent(l, absl::StrCat(fl.num_matrices, " rotation matrices for ",
+                                            layout.num_kv_heads,
+                                            " kv heads (expected 1 or one per kv head)"));
+      }
+      const size_t floats = size_t(fl.num_matrices) * d * d;
+      if (fl.r_k.size() != floats || fl.r_v.size() != floats) {
+        return Inconsistent(l, absl::StrCat("rotation has ", fl.r_k.size(), " and ", fl.r_v.size(),
+                                            " floats; expected ", floats));
+      }
+    }
+  }
+  return absl::OkStatus();
+}
 
 PutStream::~PutStream() {
   if (!done_) Cancel();
@@ -137,12 +207,30 @@ absl::StatusOr<FetchedSequence> KvClient::GetKv(const std::string& sequence_id,
     auto reader = stub_->GetKv(ctx.get(), req);
     v1::GetKvResponse msg;
     int64_t total = 0;
-    while (reader->Read(&msg)) {
+    std::string bad;  // the reply's first malformed message, if any
+    while (bad.empty() && reader->Read(&msg)) {
       out.bytes_received += int64_t(msg.ByteSizeLong());
+      if (msg.payload_case() != v1::GetKvResponse::kHeader && out.layers.empty()) {
+        bad = "data before the header";
+        break;
+      }
+      if (msg.has_bf16() && (Elements<bf16_bits>(msg.bf16().k().size()) < 0 ||
+                             Elements<bf16_bits>(msg.bf16().v().size()) < 0)) {
+        bad = "an odd byte count of BF16 rows";
+        break;
+      }
       switch (msg.payload_case()) {
         case v1::GetKvResponse::kHeader: {
+          if (!out.layers.empty()) {
+            bad = "a second header";
+            break;
+          }
           out.info = msg.header();
           const int num_layers = out.info.layout().num_layers();
+          if (num_layers <= 0 || num_layers > kMaxLayers) {
+            bad = absl::StrCat("a header of ", num_layers, " layers");
+            break;
+          }
           out.layers.assign(num_layers, FetchedLayer());
           out.present.assign(num_layers, false);
           const int64_t row = int64_t(out.info.layout().num_kv_heads()) * out.info.layout().head_dim();
@@ -153,7 +241,10 @@ absl::StatusOr<FetchedSequence> KvClient::GetKv(const std::string& sequence_id,
         }
         case v1::GetKvResponse::kBf16: {
           const v1::KvChunk& c = msg.bf16();
-          if (c.layer() < 0 || c.layer() >= int(out.layers.size())) break;
+          if (c.layer() < 0 || c.layer() >= int(out.layers.size())) {
+            bad = absl::StrCat("a chunk of layer ", c.layer());
+            break;
+          }
           FetchedLayer& fl = out.layers[c.layer()];
           out.present[c.layer()] = true;
           AppendBytes(c.k(), &fl.k);
@@ -163,7 +254,10 @@ absl::StatusOr<FetchedSequence> KvClient::GetKv(const std::string& sequence_id,
         }
         case v1::GetKvResponse::kCompressed: {
           const v1::CompressedChunk& c = msg.compressed();
-          if (c.layer() < 0 || c.layer() >= int(out.layers.size())) break;
+          if (c.layer() < 0 || c.layer() >= int(out.layers.size())) {
+            bad = absl::StrCat("a chunk of layer ", c.layer());
+            break;
+          }
           FetchedLayer& fl = out.layers[c.layer()];
           out.present[c.layer()] = true;
           if (c.has_rotation()) {
@@ -195,9 +289,15 @@ absl::StatusOr<FetchedSequence> KvClient::GetKv(const std::string& sequence_id,
       }
       if (progress) progress(out.bytes_received, total);
     }
+    if (!bad.empty()) {
+      ctx->TryCancel();
+      reader->Finish();
+      return grpc::Status(grpc::StatusCode::DATA_LOSS, "GetKv reply: " + bad);
+    }
     return reader->Finish();
   });
   if (!status.ok()) return status;
+  OSCARKV_RETURN_IF_ERROR(CheckFetchedSequence(out, layers));
   return out;
 }
 

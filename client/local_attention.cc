@@ -31,6 +31,16 @@ absl::StatusOr<std::unique_ptr<LocalAttention>> LocalAttention::Create(FetchedSe
   if (fetched.format != v1::KV_FORMAT_COMPRESSED) {
     return absl::InvalidArgumentError("LocalAttention needs a COMPRESSED fetch");
   }
+  {
+    // The tiers' and rotations' sizes, as GetKv checks its replies (a
+    // FetchedSequence may also come from elsewhere).
+    std::vector<int> present;
+    for (size_t l = 0; l < fetched.present.size(); ++l) {
+      if (fetched.present[l]) present.push_back(int(l));
+    }
+    const absl::Status consistent = CheckFetchedSequence(fetched, present);
+    if (!consistent.ok()) return absl::InvalidArgumentError(consistent.message());
+  }
   std::unique_ptr<LocalAttention> la(new LocalAttention());
   const v1::SequenceInfo& info = fetched.info;
   la->layout_ = ModelLayout{info.layout().num_layers(), info.layout().num_q_heads(),
@@ -53,18 +63,7 @@ absl::StatusOr<std::unique_ptr<LocalAttention>> LocalAttention::Create(FetchedSe
     auto layer = std::make_unique<Layer>();
     layer->tokens = f.tokens;
     if (f.num_matrices > 0) {
-      // One matrix for all heads, or one per kv head (the kernels' stride).
-      if (f.num_matrices != 1 && f.num_matrices != la->layout_.num_kv_heads) {
-        return absl::InvalidArgumentError(
-            absl::StrCat("layer ", l, ": ", f.num_matrices, " rotation matrices for ",
-                         la->layout_.num_kv_heads, " kv heads (expected 1 or one per kv head)"));
-      }
-      const size_t expect = size_t(f.num_matrices) * d * d;
-      if (f.r_k.size() != expect || f.r_v.size() != expect) {
-        return absl::InvalidArgumentError(absl::StrCat("layer ", l, ": rotation has ",
-                                                       f.r_k.size(), " floats, expected ",
-                                                       expect));
-      }
+      // 1 matrix for all kv heads or one per kv head (CheckFetchedSequence).
       layer->r_k = std::move(f.r_k);
       layer->r_v = std::move(f.r_v);
       layer->rotation.stride = f.num_matrices > 1 ? size_t(d) * d : 0;
@@ -84,13 +83,6 @@ absl::StatusOr<std::unique_ptr<LocalAttention>> LocalAttention::Create(FetchedSe
     // Re-block sink and recent rows into exact blocks of P tokens.
     const int64_t sink_blocks = (f.sink_tokens + p - 1) / p;
     const int64_t recent_blocks = (f.recent_tokens + p - 1) / p;
-    if (f.sink_tokens < 0 || f.recent_tokens < 0 || f.history_tokens < 0 ||
-        f.history_tokens % p != 0 || f.sink_k.size() != size_t(f.sink_tokens) * row ||
-        f.sink_v.size() != f.sink_k.size() || f.recent_k.size() != size_t(f.recent_tokens) * row ||
-        f.recent_v.size() != f.recent_k.size() ||
-        f.pages.size() != size_t(f.history_tokens / p) * la->geom_.page_bytes()) {
-      return absl::InvalidArgumentError(absl::StrCat("layer ", l, ": fetched tiers are inconsistent"));
-    }
     const size_t block_elems = 2 * size_t(p) * row;
     layer->blocks.assign(size_t(sink_blocks + recent_blocks) * block_elems, 0);
     auto fill = [&](const std::vector<bf16_bits>& k, const std::vector<bf16_bits>& v,

@@ -1,0 +1,143 @@
+// The client against a server that breaks the API contract (a bug, a
+// mismatched version, a proxy): a scripted fake KvCache service sends replies
+// the real server never would, and the client must answer with a clear
+// status, never crash or return a half-filled result as OK.
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "client/kv_client.h"
+#include "gmock/gmock.h"
+#include "grpcpp/security/server_credentials.h"
+#include "grpcpp/server.h"
+#include "grpcpp/server_builder.h"
+#include "service_fixture.h"
+
+namespace oscarkv::testing {
+namespace {
+
+// Replies to every GetKv with `script`, in order, then OK.
+class ScriptedKvCache final : public v1::KvCache::Service {
+ public:
+  std::vector<v1::GetKvResponse> script;
+
+  grpc::Status GetKv(grpc::ServerContext*, const v1::GetKvRequest*,
+                     grpc::ServerWriter<v1::GetKvResponse>* writer) override {
+    for (const auto& m : script) {
+      if (!writer->Write(m)) break;
+    }
+    return grpc::Status::OK;
+  }
+};
+
+class ClientReply : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    grpc::ServerBuilder b;
+    int port = 0;
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.RegisterService(&fake_);
+    server_ = b.BuildAndStart();
+    ASSERT_NE(server_, nullptr);
+    ClientOptions o;
+    o.max_attempts = 1;
+    o.deadline = std::chrono::milliseconds(10000);
+    client_ = KvClient::Create("127.0.0.1:" + std::to_string(port), o);
+    ASSERT_NE(client_, nullptr);
+  }
+  void TearDown() override { server_->Shutdown(); }
+
+  // The header of a 2-layer tiny sequence of `tokens` tokens.
+  static v1::GetKvResponse Header(int num_layers = 2, int64_t tokens = 4) {
+    v1::GetKvResponse m;
+    v1::SequenceInfo* h = m.mutable_header();
+    h->set_sequence_id("s");
+    h->set_model(kTinyModel);
+    h->mutable_layout()->set_num_layers(num_layers);
+    h->mutable_layout()->set_num_q_heads(8);
+    h->mutable_layout()->set_num_kv_heads(2);
+    h->mutable_layout()->set_head_dim(64);
+    h->mutable_tiers()->set_sink_tokens(8);
+    h->mutable_tiers()->set_recent_window(16);
+    h->mutable_tiers()->set_page_tokens(8);
+    h->mutable_tiers()->set_group_size(64);
+    h->set_tokens(tokens);
+    return m;
+  }
+  // BF16 rows of one layer: `rows` rows of 2 heads x 64 dims, claiming `tokens`.
+  static v1::GetKvResponse Bf16(int layer, int tokens, int rows) {
+    v1::GetKvResponse m;
+    v1::KvChunk* c = m.mutable_bf16();
+    c->set_layer(layer);
+    c->set_start_token(0);
+    c->set_num_tokens(tokens);
+    const std::string bytes(size_t(rows) * 2 * 64 * 2, '\0');
+    c->set_k(bytes);
+    c->set_v(bytes);
+    return m;
+  }
+  // A COMPRESSED sink chunk of `tokens` tokens whose rotation claims
+  // `matrices` matrices but carries `floats` floats each.
+  static v1::GetKvResponse Sink(int layer, int tokens, int matrices, size_t floats) {
+    v1::GetKvResponse m;
+    v1::CompressedChunk* c = m.mutable_compressed();
+    c->set_layer(layer);
+    c->set_tier(v1::TIER_SINK);
+    c->set_start_token(0);
+    c->set_num_tokens(tokens);
+    const std::string bytes(size_t(tokens) * 2 * 64 * 2, '\0');
+    c->set_k(bytes);
+    c->set_v(bytes);
+    c->mutable_rotation()->set_num_matrices(matrices);
+    const std::string r(floats * 4, '\0');
+    c->mutable_rotation()->set_r_k(r);
+    c->mutable_rotation()->set_r_v(r);
+    return m;
+  }
+
+  absl::Status Fetch(v1::KvFormat format) { return client_->GetKv("s", format).status(); }
+
+  ScriptedKvCache fake_;
+  std::unique_ptr<grpc::Server> server_;
+  std::unique_ptr<KvClient> client_;
+};
+
+TEST_F(ClientReply, AWellFormedReplyIsAccepted) {
+  fake_.script = {Header(), Bf16(0, 4, 4), Bf16(1, 4, 4)};
+  auto got = client_->GetKv("s", v1::KV_FORMAT_BF16);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->layers[1].tokens, 4);
+  fake_.script = {Header(), Sink(0, 4, 1, 64 * 64), Sink(1, 4, 2, 2 * 64 * 64)};
+  EXPECT_TRUE(Fetch(v1::KV_FORMAT_COMPRESSED).ok()) << Fetch(v1::KV_FORMAT_COMPRESSED);
+}
+
+TEST_F(ClientReply, AMalformedStreamIsDataLoss) {
+  fake_.script = {Bf16(0, 4, 4), Header()};
+  ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "data before the header");
+  fake_.script = {Header(-1)};
+  ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "header of -1 layers");
+  fake_.script = {Header(), Bf16(5, 4, 4)};
+  ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "a chunk of layer 5");
+  fake_.script = {Header(), Header()};
+  ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "a second header");
+  fake_.script = {};
+  ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "no valid header");
+}
+
+TEST_F(ClientReply, ALayerThatDoesNotAddUpIsDataLoss) {
+  fake_.script = {Header(), Bf16(0, 4, 4)};
+  ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "layer 1: missing");
+  fake_.script = {Header(), Bf16(0, 4, 4), Bf16(1, 4, 3)};
+  ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "for 4 tokens");
+  // A rotation of 2 kv heads' matrices declared as 8 (one matrix sent):
+  // anyone reading num_matrices x D x D floats would run past it.
+  fake_.script = {Header(), Sink(0, 4, 8, 64 * 64), Sink(1, 4, 1, 64 * 64)};
+  ExpectStatus(Fetch(v1::KV_FORMAT_COMPRESSED), absl::StatusCode::kDataLoss,
+               "8 rotation matrices for 2 kv heads");
+  fake_.script = {Header(), Sink(0, 4, 2, 64 * 64), Sink(1, 4, 1, 64 * 64)};
+  ExpectStatus(Fetch(v1::KV_FORMAT_COMPRESSED), absl::StatusCode::kDataLoss,
+               "rotation has 4096 and 4096 floats; expected 8192");
+}
+
+}  // namespace
+}  // namespace oscarkv::testing
