@@ -345,15 +345,28 @@ absl::StatusOr<std::vector<AttendOutput>> AttendSession::Call(
     const absl::Status s = FromGrpcStatus(stream_->Finish());
     return s.ok() ? absl::UnavailableError("Attend stream ended early") : s;
   }
-  if (resp.results_size() != int(queries.size())) {
-    return absl::InternalError(absl::StrCat("Attend reply has ", resp.results_size(),
-                                            " results for ", queries.size(), " items"));
+  if (resp.results_size() != int(queries.size()) || resp.request_id() != req.request_id()) {
+    return absl::DataLossError(absl::StrCat(
+        "Attend reply ", resp.request_id(), " has ", resp.results_size(), " results; request ",
+        req.request_id(), " had ", queries.size(), " items"));
   }
   std::vector<AttendOutput> out(queries.size());
   for (size_t i = 0; i < queries.size(); ++i) {
     const v1::AttendResult& r = resp.results(int(i));
     if (r.code() != 0) {
-      out[i].status = absl::Status(static_cast<absl::StatusCode>(r.code()), r.error());
+      const bool known = r.code() > 0 && r.code() <= int(absl::StatusCode::kUnauthenticated);
+      out[i].status = absl::Status(known ? static_cast<absl::StatusCode>(r.code())
+                                         : absl::StatusCode::kUnknown,
+                                   r.error());
+      continue;
+    }
+    const ModelLayout& l = layouts.size() == 1 ? layouts[0] : layouts[i];
+    const size_t out_bytes = size_t(l.num_q_heads) * l.head_dim * sizeof(float);
+    const size_t lse_bytes = return_lse ? size_t(l.num_q_heads) * sizeof(float) : 0;
+    if (r.out().size() != out_bytes || r.lse().size() != lse_bytes) {
+      out[i].status = absl::DataLossError(absl::StrCat(
+          "Attend reply: item ", i, " has ", r.out().size(), " bytes of output and ",
+          r.lse().size(), " of lse; expected ", out_bytes, " and ", lse_bytes));
       continue;
     }
     AppendBytes(r.out(), &out[i].out);

@@ -16,10 +16,26 @@
 namespace oscarkv::testing {
 namespace {
 
-// Replies to every GetKv with `script`, in order, then OK.
+// Replies to every GetKv with `script`, in order, then OK; to each Attend
+// message with `attend_reply` (its request_id copied unless
+// `attend_reply_id` >= 0).
 class ScriptedKvCache final : public v1::KvCache::Service {
  public:
   std::vector<v1::GetKvResponse> script;
+  v1::AttendResponse attend_reply;
+  int64_t attend_reply_id = -1;
+
+  grpc::Status Attend(grpc::ServerContext*,
+                      grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream)
+      override {
+    v1::AttendRequest req;
+    while (stream->Read(&req)) {
+      v1::AttendResponse r = attend_reply;
+      r.set_request_id(attend_reply_id >= 0 ? attend_reply_id : req.request_id());
+      if (!stream->Write(r)) break;
+    }
+    return grpc::Status::OK;
+  }
 
   grpc::Status GetKv(grpc::ServerContext*, const v1::GetKvRequest*,
                      grpc::ServerWriter<v1::GetKvResponse>* writer) override {
@@ -137,6 +153,40 @@ TEST_F(ClientReply, ALayerThatDoesNotAddUpIsDataLoss) {
   fake_.script = {Header(), Sink(0, 4, 2, 64 * 64), Sink(1, 4, 1, 64 * 64)};
   ExpectStatus(Fetch(v1::KV_FORMAT_COMPRESSED), absl::StatusCode::kDataLoss,
                "rotation has 4096 and 4096 floats; expected 8192");
+}
+
+// Attend results whose sizes or ids do not match the request: the item (or
+// the call) fails with DATA_LOSS instead of handing back a short output.
+TEST_F(ClientReply, AttendResultsThatDoNotMatchTheRequestAreDataLoss) {
+  const ModelLayout tiny{2, 8, 2, 64};
+  const std::vector<float> q(8 * 64, 0.5f);
+  const std::vector<AttendQuery> items = {{"s", 0, q.data()}, {"s", 1, q.data()}};
+  const std::string out(8 * 64 * 4, '\0'), lse(8 * 4, '\0');
+  fake_.attend_reply.Clear();
+  v1::AttendResult* ok = fake_.attend_reply.add_results();
+  ok->set_out(out);
+  ok->set_lse(lse);
+  ok->set_tokens(3);
+  v1::AttendResult* shortened = fake_.attend_reply.add_results();
+  shortened->set_out(std::string(4, '\0'));
+  shortened->set_lse(lse);
+  auto r = client_->Attend(items, tiny, /*return_lse=*/true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  EXPECT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  EXPECT_EQ((*r)[0].out.size(), 8u * 64);
+  ExpectStatus((*r)[1].status, absl::StatusCode::kDataLoss, "4 bytes of output");
+  EXPECT_TRUE((*r)[1].out.empty());
+  // An error code outside gRPC's range reads as UNKNOWN.
+  shortened->Clear();
+  shortened->set_code(99);
+  shortened->set_error("odd");
+  r = client_->Attend(items, tiny, true);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ExpectStatus((*r)[1].status, absl::StatusCode::kUnknown, "odd");
+  // A reply to another request.
+  fake_.attend_reply_id = 77;
+  ExpectStatus(client_->Attend(items, tiny, true).status(), absl::StatusCode::kDataLoss,
+               "Attend reply 77");
 }
 
 }  // namespace
