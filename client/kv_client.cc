@@ -3,6 +3,7 @@
 #include "client/kv_chunk.h"
 
 #include <algorithm>
+#include <limits>
 #include <thread>
 
 #include "absl/strings/str_cat.h"
@@ -19,8 +20,11 @@ absl::Status FromGrpcStatus(const grpc::Status& status) {
 
 std::unique_ptr<KvClient> KvClient::Create(const std::string& target, ClientOptions options) {
   grpc::ChannelArguments args;
-  args.SetMaxReceiveMessageSize(static_cast<int>(options.max_message_bytes));
-  args.SetMaxSendMessageSize(static_cast<int>(options.max_message_bytes));
+  // gRPC takes an int: larger limits mean "as large as gRPC allows".
+  const int limit = static_cast<int>(
+      std::min<int64_t>(options.max_message_bytes, std::numeric_limits<int>::max()));
+  args.SetMaxReceiveMessageSize(limit);
+  args.SetMaxSendMessageSize(limit);
   auto channel = grpc::CreateCustomChannel(target, grpc::InsecureChannelCredentials(), args);
   auto client = std::make_unique<KvClient>(std::move(channel), options);
   client->target_ = target;
@@ -29,6 +33,21 @@ std::unique_ptr<KvClient> KvClient::Create(const std::string& target, ClientOpti
 
 KvClient::KvClient(std::shared_ptr<grpc::Channel> channel, ClientOptions options)
     : options_(options), channel_(std::move(channel)), stub_(v1::KvCache::NewStub(channel_)) {}
+
+int64_t KvClient::PutChunkBytes() {
+  constexpr int64_t kMessageHeadroom = 64 << 10;  // the chunk's other fields and framing
+  int64_t server = server_max_message_bytes_.load(std::memory_order_relaxed);
+  if (server == 0) {
+    auto info = Info();
+    if (info.ok() && info->max_message_bytes() > 0) {
+      server = info->max_message_bytes();
+      server_max_message_bytes_.store(server, std::memory_order_relaxed);
+    }
+  }
+  const int64_t limit =
+      server > 0 ? std::min(options_.max_message_bytes, server) : options_.max_message_bytes;
+  return std::max<int64_t>(1, std::min(options_.chunk_bytes, limit - kMessageHeadroom));
+}
 
 std::unique_ptr<grpc::ClientContext> KvClient::NewContext() const {
   auto ctx = std::make_unique<grpc::ClientContext>();

@@ -12,6 +12,7 @@
 #ifndef OSCARKV_CLIENT_KV_CLIENT_H_
 #define OSCARKV_CLIENT_KV_CLIENT_H_
 
+#include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <functional>
@@ -146,6 +147,10 @@ class KvClient {
 
   const std::string& target() const { return target_; }
   const ClientOptions& options() const { return options_; }
+  // K + V payload bytes per PutKv message: options().chunk_bytes, held within
+  // both this client's and the server's message limit (the server's is asked
+  // once, by GetServerInfo; this client's alone while that fails).
+  int64_t PutChunkBytes();
 
   // ---- ingest
   absl::StatusOr<std::unique_ptr<PutStream>> OpenPut(const std::string& sequence_id,
@@ -216,6 +221,7 @@ class KvClient {
 
   std::string target_;
   ClientOptions options_;
+  std::atomic<int64_t> server_max_message_bytes_{0};  // 0: not asked yet
   std::shared_ptr<grpc::Channel> channel_;
   std::unique_ptr<v1::KvCache::Stub> stub_;
 };

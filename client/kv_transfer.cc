@@ -169,9 +169,7 @@ absl::StatusOr<PutResult> KvClient::PutSequence(const std::string& sequence_id,
                            OpenPut(sequence_id, model, layout, pin, tokens));
   const size_t row = layout.kv_row_elems();
   const int64_t token_bytes = int64_t(row) * 2 * 2;
-  const int64_t per_chunk =
-      std::max<int64_t>(1, std::min(options_.chunk_bytes, options_.max_message_bytes - (64 << 10)) /
-                               token_bytes);
+  const int64_t per_chunk = std::max<int64_t>(1, PutChunkBytes() / token_bytes);
   const int64_t total = int64_t(layout.num_layers) * tokens * token_bytes;
   int64_t done = 0;
   for (int l = 0; l < layout.num_layers; ++l) {

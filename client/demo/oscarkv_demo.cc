@@ -227,7 +227,7 @@ int Main() {
     stop_generator();
     return Fail("PutKv", stream.status());
   }
-  const int64_t chunk_tokens = std::max<int64_t>(1, (4 << 20) / int64_t(row * 4));
+  const int64_t chunk_tokens = std::max<int64_t>(1, client->PutChunkBytes() / int64_t(row * 4));
   for (int l = 0; l < L; ++l) {
     std::pair<int, SyntheticLayer> item;
     {

@@ -292,6 +292,24 @@ TEST(GetKvLimits, ARotationAndItsChunkStayWithinTheMessageLimit) {
   EXPECT_EQ(tokens, 100);
 }
 
+// A client whose own limits are larger than the server's sizes its PutKv
+// chunks to the server's limit (GetServerInfo), so a long ingest goes
+// through instead of failing on its first 4 MiB chunk.
+TEST(PutLimits, ChunksFollowTheServersSmallerMessageLimit) {
+  ServerOptions o = TinyServerOptions(size_t{32} << 20);
+  o.max_message_bytes = 1 << 20;
+  TestServer ts(o);
+  ASSERT_NE(ts.server, nullptr);
+  auto client = KvClient::Create(ts.server->address());  // 64 MiB messages, 4 MiB chunks
+  ASSERT_NE(client, nullptr);
+  EXPECT_EQ(client->PutChunkBytes(), (1 << 20) - (64 << 10));
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 4096, 21);  // 2 MiB of K + V per layer
+  auto put = client->PutSequence("long", kTinyModel, layout, 4096, data.k.data(), data.v.data());
+  ASSERT_TRUE(put.ok()) << put.status();
+  EXPECT_EQ(put->tokens, 4096);
+}
+
 TEST_F(BadInput, EmptyStreamsAreRefused) {
   ExpectStatus(RawPut(*ts_.client, {}), grpc::StatusCode::INVALID_ARGUMENT, "without a header");
   ExpectStatus(RawPut(*ts_.client, {Header("e")}), grpc::StatusCode::INVALID_ARGUMENT,
