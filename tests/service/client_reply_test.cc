@@ -24,6 +24,7 @@ class ScriptedKvCache final : public v1::KvCache::Service {
   std::vector<v1::GetKvResponse> script;
   v1::AttendResponse attend_reply;
   int64_t attend_reply_id = -1;
+  grpc::Status attend_end = grpc::Status::OK;  // how each Attend stream ends
 
   grpc::Status Attend(grpc::ServerContext*,
                       grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream)
@@ -34,7 +35,7 @@ class ScriptedKvCache final : public v1::KvCache::Service {
       r.set_request_id(attend_reply_id >= 0 ? attend_reply_id : req.request_id());
       if (!stream->Write(r)) break;
     }
-    return grpc::Status::OK;
+    return attend_end;
   }
 
   grpc::Status GetKv(grpc::ServerContext*, const v1::GetKvRequest*,
@@ -187,6 +188,22 @@ TEST_F(ClientReply, AttendResultsThatDoNotMatchTheRequestAreDataLoss) {
   fake_.attend_reply_id = 77;
   ExpectStatus(client_->Attend(items, tiny, true).status(), absl::StatusCode::kDataLoss,
                "Attend reply 77");
+}
+
+// Answers received before the stream ends badly are returned: their fused
+// appends were applied, so reporting the stream's error instead would invite
+// a retry that appends them again.
+TEST_F(ClientReply, AttendAnswersStandWhenTheStreamThenFails) {
+  const ModelLayout tiny{2, 8, 2, 64};
+  const std::vector<float> q(8 * 64, 0.5f);
+  v1::AttendResult* r0 = fake_.attend_reply.add_results();
+  r0->set_out(std::string(8 * 64 * 4, '\0'));
+  r0->set_tokens(9);
+  fake_.attend_end = grpc::Status(grpc::StatusCode::UNAVAILABLE, "shutting down");
+  auto r = client_->Attend({AttendQuery{"s", 0, q.data()}}, tiny, /*return_lse=*/false);
+  ASSERT_TRUE(r.ok()) << r.status();
+  ASSERT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
+  EXPECT_EQ((*r)[0].tokens, 9);
 }
 
 }  // namespace
