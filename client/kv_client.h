@@ -157,9 +157,8 @@ class KvClient {
                                                       const std::string& model,
                                                       const ModelLayout& layout, bool pin,
                                                       int64_t expected_tokens);
-  // Streams a whole prefill cache, k and v BF16 [L][T][Hkv][D], in chunks of
-  // about ClientOptions::chunk_bytes (all layers per chunk when they fit,
-  // else layer by layer), and commits it.
+  // Streams a whole prefill cache, k and v BF16 [L][T][Hkv][D], layer by
+  // layer in token ranges of about PutChunkBytes(), and commits it.
   absl::StatusOr<PutResult> PutSequence(const std::string& sequence_id, const std::string& model,
                                         const ModelLayout& layout, int64_t tokens,
                                         const bf16_bits* k, const bf16_bits* v, bool pin = false,
