@@ -53,7 +53,16 @@ int Fail(const char* cmd, const absl::Status& s) {
 // Parses flags; on --help or a usage error prints `usage` and sets *exit.
 bool ParseOrUsage(Flags& flags, int argc, char** argv, const char* cmd, const char* usage,
                   int* exit) {
-  const absl::Status st = flags.Parse(argc, argv);
+  absl::Status st = flags.Parse(argc, argv);
+  if (st.ok() && flags.Has("timeout")) {
+    // Read here so that a bad value is a usage error, not a 0 s deadline.
+    const absl::StatusOr<double> t = flags.Double("timeout", 0);
+    if (!t.ok()) {
+      st = t.status();
+    } else if (!(*t > 0)) {
+      st = absl::InvalidArgumentError("--timeout: seconds, a number > 0");
+    }
+  }
   if (st.ok() && !flags.Switch("help")) return true;
   if (!st.ok()) std::fprintf(stderr, "oscarkv %s: %s\n", cmd, std::string(st.message()).c_str());
   std::fprintf(st.ok() ? stdout : stderr, "%s", usage);
@@ -64,8 +73,9 @@ bool ParseOrUsage(Flags& flags, int argc, char** argv, const char* cmd, const ch
 std::unique_ptr<KvClient> Connect(const Flags& flags) {
   const char* env = std::getenv("OSCARKV_SERVER");
   ClientOptions options;
-  options.deadline = std::chrono::milliseconds(
-      static_cast<int64_t>(1000 * std::atof(flags.String("timeout", "600").c_str())));
+  // Checked by ParseOrUsage.
+  options.deadline =
+      std::chrono::milliseconds(static_cast<int64_t>(1000 * flags.Double("timeout", 600).value()));
   return KvClient::Create(flags.String("server", env ? env : "localhost:50051"), options);
 }
 

@@ -74,6 +74,9 @@ TEST(ServiceTool, ServiceCommandsWorkEndToEndWithScriptableExitCodes) {
   EXPECT_THAT(r.out, HasSubstr("model tiny: layers=2 q_heads=8 kv_heads=2 head_dim=64"));
   EXPECT_EQ(Tool("stat " + server).code, 2);  // missing --id
   EXPECT_EQ(Tool("info --server=127.0.0.1:1 --timeout=2").code, 6);
+  // A timeout that is not a positive number is a usage error, not a 0 s deadline.
+  EXPECT_EQ(Tool("info --server=127.0.0.1:1 --timeout=abc").code, 2);
+  EXPECT_EQ(Tool("info --server=127.0.0.1:1 --timeout=0").code, 2);
 }
 
 }  // namespace
