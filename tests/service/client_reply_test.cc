@@ -2,7 +2,9 @@
 // mismatched version, a proxy): a scripted fake KvCache service sends replies
 // the real server never would, and the client must answer with a clear
 // status, never crash or return a half-filled result as OK.
+#include <functional>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -19,32 +21,52 @@ namespace {
 // Replies to every GetKv with `script`, in order, then OK; to each Attend
 // message with `attend_reply` (its request_id copied unless
 // `attend_reply_id` >= 0).
+// A handler works on a copy taken when its call starts: the handler of a
+// call the client has cancelled may still be writing when the test sets the
+// next script.
 class ScriptedKvCache final : public v1::KvCache::Service {
  public:
-  std::vector<v1::GetKvResponse> script;
-  v1::AttendResponse attend_reply;
-  int64_t attend_reply_id = -1;
-  grpc::Status attend_end = grpc::Status::OK;  // how each Attend stream ends
+  struct Script {
+    std::vector<v1::GetKvResponse> get_kv;
+    v1::AttendResponse attend_reply;
+    int64_t attend_reply_id = -1;
+    grpc::Status attend_end = grpc::Status::OK;  // how each Attend stream ends
+  };
+  // Changes the script of later calls.
+  void Edit(const std::function<void(Script&)>& edit) {
+    std::lock_guard<std::mutex> lock(mu_);
+    edit(script_);
+  }
 
   grpc::Status Attend(grpc::ServerContext*,
                       grpc::ServerReaderWriter<v1::AttendResponse, v1::AttendRequest>* stream)
       override {
+    const Script s = Copy();
     v1::AttendRequest req;
     while (stream->Read(&req)) {
-      v1::AttendResponse r = attend_reply;
-      r.set_request_id(attend_reply_id >= 0 ? attend_reply_id : req.request_id());
+      v1::AttendResponse r = s.attend_reply;
+      r.set_request_id(s.attend_reply_id >= 0 ? s.attend_reply_id : req.request_id());
       if (!stream->Write(r)) break;
     }
-    return attend_end;
+    return s.attend_end;
   }
 
   grpc::Status GetKv(grpc::ServerContext*, const v1::GetKvRequest*,
                      grpc::ServerWriter<v1::GetKvResponse>* writer) override {
-    for (const auto& m : script) {
+    const Script s = Copy();
+    for (const auto& m : s.get_kv) {
       if (!writer->Write(m)) break;
     }
     return grpc::Status::OK;
   }
+
+ private:
+  Script Copy() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return script_;
+  }
+  std::mutex mu_;
+  Script script_;
 };
 
 class ClientReply : public ::testing::Test {
@@ -113,6 +135,9 @@ class ClientReply : public ::testing::Test {
   }
 
   absl::Status Fetch(v1::KvFormat format) { return client_->GetKv("s", format).status(); }
+  void SetGetKv(std::vector<v1::GetKvResponse> messages) {
+    fake_.Edit([&](ScriptedKvCache::Script& s) { s.get_kv = std::move(messages); });
+  }
 
   ScriptedKvCache fake_;
   std::unique_ptr<grpc::Server> server_;
@@ -120,38 +145,38 @@ class ClientReply : public ::testing::Test {
 };
 
 TEST_F(ClientReply, AWellFormedReplyIsAccepted) {
-  fake_.script = {Header(), Bf16(0, 4, 4), Bf16(1, 4, 4)};
+  SetGetKv({Header(), Bf16(0, 4, 4), Bf16(1, 4, 4)});
   auto got = client_->GetKv("s", v1::KV_FORMAT_BF16);
   ASSERT_TRUE(got.ok()) << got.status();
   EXPECT_EQ(got->layers[1].tokens, 4);
-  fake_.script = {Header(), Sink(0, 4, 1, 64 * 64), Sink(1, 4, 2, 2 * 64 * 64)};
+  SetGetKv({Header(), Sink(0, 4, 1, 64 * 64), Sink(1, 4, 2, 2 * 64 * 64)});
   EXPECT_TRUE(Fetch(v1::KV_FORMAT_COMPRESSED).ok()) << Fetch(v1::KV_FORMAT_COMPRESSED);
 }
 
 TEST_F(ClientReply, AMalformedStreamIsDataLoss) {
-  fake_.script = {Bf16(0, 4, 4), Header()};
+  SetGetKv({Bf16(0, 4, 4), Header()});
   ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "data before the header");
-  fake_.script = {Header(-1)};
+  SetGetKv({Header(-1)});
   ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "header of -1 layers");
-  fake_.script = {Header(), Bf16(5, 4, 4)};
+  SetGetKv({Header(), Bf16(5, 4, 4)});
   ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "a chunk of layer 5");
-  fake_.script = {Header(), Header()};
+  SetGetKv({Header(), Header()});
   ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "a second header");
-  fake_.script = {};
+  SetGetKv({});
   ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "no valid header");
 }
 
 TEST_F(ClientReply, ALayerThatDoesNotAddUpIsDataLoss) {
-  fake_.script = {Header(), Bf16(0, 4, 4)};
+  SetGetKv({Header(), Bf16(0, 4, 4)});
   ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "layer 1: missing");
-  fake_.script = {Header(), Bf16(0, 4, 4), Bf16(1, 4, 3)};
+  SetGetKv({Header(), Bf16(0, 4, 4), Bf16(1, 4, 3)});
   ExpectStatus(Fetch(v1::KV_FORMAT_BF16), absl::StatusCode::kDataLoss, "for 4 tokens");
   // A rotation of 2 kv heads' matrices declared as 8 (one matrix sent):
   // anyone reading num_matrices x D x D floats would run past it.
-  fake_.script = {Header(), Sink(0, 4, 8, 64 * 64), Sink(1, 4, 1, 64 * 64)};
+  SetGetKv({Header(), Sink(0, 4, 8, 64 * 64), Sink(1, 4, 1, 64 * 64)});
   ExpectStatus(Fetch(v1::KV_FORMAT_COMPRESSED), absl::StatusCode::kDataLoss,
                "8 rotation matrices for 2 kv heads");
-  fake_.script = {Header(), Sink(0, 4, 2, 64 * 64), Sink(1, 4, 1, 64 * 64)};
+  SetGetKv({Header(), Sink(0, 4, 2, 64 * 64), Sink(1, 4, 1, 64 * 64)});
   ExpectStatus(Fetch(v1::KV_FORMAT_COMPRESSED), absl::StatusCode::kDataLoss,
                "rotation has 4096 and 4096 floats; expected 8192");
 }
@@ -163,14 +188,15 @@ TEST_F(ClientReply, AttendResultsThatDoNotMatchTheRequestAreDataLoss) {
   const std::vector<float> q(8 * 64, 0.5f);
   const std::vector<AttendQuery> items = {{"s", 0, q.data()}, {"s", 1, q.data()}};
   const std::string out(8 * 64 * 4, '\0'), lse(8 * 4, '\0');
-  fake_.attend_reply.Clear();
-  v1::AttendResult* ok = fake_.attend_reply.add_results();
+  v1::AttendResponse reply;
+  v1::AttendResult* ok = reply.add_results();
   ok->set_out(out);
   ok->set_lse(lse);
   ok->set_tokens(3);
-  v1::AttendResult* shortened = fake_.attend_reply.add_results();
+  v1::AttendResult* shortened = reply.add_results();
   shortened->set_out(std::string(4, '\0'));
   shortened->set_lse(lse);
+  fake_.Edit([&](ScriptedKvCache::Script& s) { s.attend_reply = reply; });
   auto r = client_->Attend(items, tiny, /*return_lse=*/true);
   ASSERT_TRUE(r.ok()) << r.status();
   EXPECT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
@@ -181,11 +207,12 @@ TEST_F(ClientReply, AttendResultsThatDoNotMatchTheRequestAreDataLoss) {
   shortened->Clear();
   shortened->set_code(99);
   shortened->set_error("odd");
+  fake_.Edit([&](ScriptedKvCache::Script& s) { s.attend_reply = reply; });
   r = client_->Attend(items, tiny, true);
   ASSERT_TRUE(r.ok()) << r.status();
   ExpectStatus((*r)[1].status, absl::StatusCode::kUnknown, "odd");
   // A reply to another request.
-  fake_.attend_reply_id = 77;
+  fake_.Edit([](ScriptedKvCache::Script& s) { s.attend_reply_id = 77; });
   ExpectStatus(client_->Attend(items, tiny, true).status(), absl::StatusCode::kDataLoss,
                "Attend reply 77");
 }
@@ -196,10 +223,12 @@ TEST_F(ClientReply, AttendResultsThatDoNotMatchTheRequestAreDataLoss) {
 TEST_F(ClientReply, AttendAnswersStandWhenTheStreamThenFails) {
   const ModelLayout tiny{2, 8, 2, 64};
   const std::vector<float> q(8 * 64, 0.5f);
-  v1::AttendResult* r0 = fake_.attend_reply.add_results();
-  r0->set_out(std::string(8 * 64 * 4, '\0'));
-  r0->set_tokens(9);
-  fake_.attend_end = grpc::Status(grpc::StatusCode::UNAVAILABLE, "shutting down");
+  fake_.Edit([](ScriptedKvCache::Script& s) {
+    v1::AttendResult* r0 = s.attend_reply.add_results();
+    r0->set_out(std::string(8 * 64 * 4, '\0'));
+    r0->set_tokens(9);
+    s.attend_end = grpc::Status(grpc::StatusCode::UNAVAILABLE, "shutting down");
+  });
   auto r = client_->Attend({AttendQuery{"s", 0, q.data()}}, tiny, /*return_lse=*/false);
   ASSERT_TRUE(r.ok()) << r.status();
   ASSERT_TRUE((*r)[0].status.ok()) << (*r)[0].status;
