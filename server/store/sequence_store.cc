@@ -410,6 +410,11 @@ absl::StatusOr<int64_t> SequenceStore::Drop(const std::string& id) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = sequences_.find(id);
+    if (it == sequences_.end() && ingesting_.count(id) > 0) {
+      return absl::FailedPreconditionError(absl::StrCat(
+          "sequence '", id, "' is still being ingested (its PutKv stream has not ended; "
+          "cancelling the stream discards it)"));
+    }
     if (it == sequences_.end()) {
       return absl::NotFoundError(absl::StrCat("unknown sequence '", id, "'"));
     }

@@ -114,6 +114,9 @@ TEST_F(BadInput, DuplicateSequenceIdIsAlreadyExists) {
   ExpectStatus(ts_.client->Append("dup2", TinyLayout(), 0, 4, 1, data_.k_at(0, 4),
                                   data_.v_at(0, 4)).status(),
                absl::StatusCode::kFailedPrecondition, "still being ingested");
+  // So is a drop: the stream's owner cancels it to discard it.
+  ExpectStatus(ts_.client->Drop("dup2").status(), absl::StatusCode::kFailedPrecondition,
+               "still being ingested");
   (*first)->Cancel();
 }
 
