@@ -105,7 +105,12 @@ absl::StatusOr<PoolSize> ParsePoolSize(const std::string& text) {
   if (unit.empty() && value < 1.0) {
     size.fraction = value;  // of the backend's memory, known once it exists
   } else {
-    size.bytes = static_cast<size_t>(value * mult);
+    const double bytes = value * mult;
+    if (!(bytes < 0x1p63)) {  // also catches inf and NaN
+      return absl::InvalidArgumentError(
+          absl::StrCat("pool size '", text, "' is larger than this server can address"));
+    }
+    size.bytes = static_cast<size_t>(bytes);
   }
   return size;
 }

@@ -63,8 +63,10 @@ absl::StatusOr<std::unique_ptr<PagePool>> PagePool::Create(Backend* backend,
         "-byte page and one ", opts.block_bytes, "-byte block (exact_fraction ",
         o.exact_fraction, ")"));
   }
-  if (pages > UINT32_MAX || blocks > UINT32_MAX) {
-    return absl::InvalidArgumentError("pool has too many slots");
+  // Slot ids and counts are ints here.
+  if (pages > size_t(INT32_MAX) || blocks > size_t(INT32_MAX)) {
+    return absl::InvalidArgumentError(absl::StrCat("pool has too many slots (", pages,
+                                                   " pages, ", blocks, " blocks; at most 2^31 - 1 each)"));
   }
   auto buffer = backend->Allocate(pages * opts.page_bytes + blocks * opts.block_bytes);
   if (!buffer.ok()) return buffer.status();

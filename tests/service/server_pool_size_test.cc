@@ -47,6 +47,11 @@ TEST(PoolSize, BadValuesAreInvalidArgumentNamingTheValue) {
   auto unit = ParsePoolSize("0.5x");
   EXPECT_EQ(unit.status().code(), absl::StatusCode::kInvalidArgument);
   EXPECT_THAT(std::string(unit.status().message()), HasSubstr("unknown unit 'x'"));
+  // Beyond what a size_t holds: an error, not an undefined conversion.
+  for (const std::string huge : {"100000000000T", "1e30", "inf"}) {
+    auto p = ParsePoolSize(huge);
+    EXPECT_EQ(p.status().code(), absl::StatusCode::kInvalidArgument) << huge;
+  }
 }
 
 TEST(PoolSize, FractionOnCpuIsOfAvailableHostMemory) {
