@@ -25,12 +25,6 @@ absl::Status Inconsistent(int layer, const std::string& what) {
   return absl::DataLossError(absl::StrCat("fetched sequence: layer ", layer, ": ", what));
 }
 
-// Elements of `bytes` bytes of T, or -1 when the count is not whole.
-template <typename T>
-int64_t Elements(size_t bytes) {
-  return bytes % sizeof(T) == 0 ? int64_t(bytes / sizeof(T)) : -1;
-}
-
 }  // namespace
 
 absl::Status CheckFetchedSequence(const FetchedSequence& f, const std::vector<int>& layers) {
@@ -206,14 +200,14 @@ absl::StatusOr<FetchedSequence> KvClient::GetKv(const std::string& sequence_id,
     v1::GetKvResponse msg;
     int64_t total = 0;
     std::string bad;  // the reply's first malformed message, if any
-    while (bad.empty() && reader->Read(&msg)) {
+    while (reader->Read(&msg)) {
       out.bytes_received += int64_t(msg.ByteSizeLong());
       if (msg.payload_case() != v1::GetKvResponse::kHeader && out.layers.empty()) {
         bad = "data before the header";
         break;
       }
-      if (msg.has_bf16() && (Elements<bf16_bits>(msg.bf16().k().size()) < 0 ||
-                             Elements<bf16_bits>(msg.bf16().v().size()) < 0)) {
+      if (msg.has_bf16() && (msg.bf16().k().size() % sizeof(bf16_bits) != 0 ||
+                             msg.bf16().v().size() % sizeof(bf16_bits) != 0)) {
         bad = "an odd byte count of BF16 rows";
         break;
       }
@@ -285,6 +279,7 @@ absl::StatusOr<FetchedSequence> KvClient::GetKv(const std::string& sequence_id,
         default:
           break;
       }
+      if (!bad.empty()) break;  // found inside the switch
       if (progress) progress(out.bytes_received, total);
     }
     if (!bad.empty()) {

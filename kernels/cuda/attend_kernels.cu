@@ -77,7 +77,7 @@ template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline
           bool kInt = false, int kIntPv = 0>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
-  using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, (kIntPv > 0 ? kIntPv : 3)>,
+  using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv>,
                                   HistoryWarp<D, NG, G8, kInt>>;
   static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
   constexpr int HG = C::HG;

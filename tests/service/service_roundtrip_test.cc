@@ -18,6 +18,15 @@ using ::testing::Le;
 using ::testing::Lt;
 using ::testing::SizeIs;
 
+// Stores `data` (tiny model) as sequence `id` and fetches it back COMPRESSED.
+absl::StatusOr<FetchedSequence> PutAndFetchCompressed(KvClient& client, const std::string& id,
+                                                      const KvData& data) {
+  auto put = client.PutSequence(id, kTinyModel, data.layout, data.tokens, data.k.data(),
+                                data.v.data());
+  if (!put.ok()) return put.status();
+  return client.GetKv(id, v1::KV_FORMAT_COMPRESSED);
+}
+
 constexpr int kGroup = 64;   // G = D for the tiny model
 
 TEST(Service, PutThenGetBf16IsBitExactOnSinkAndRecentAndBoundedOnHistory) {
@@ -64,10 +73,7 @@ TEST(Service, AttendEqualsLocalAttentionOnFetchedPagesAndFp64Reference) {
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
   const KvData data = MakeKv(layout, 150, 2);
-  ASSERT_TRUE(ts.client->PutSequence("s", kTinyModel, layout, data.tokens, data.k.data(),
-                                     data.v.data())
-                  .ok());
-  auto fetched = ts.client->GetKv("s", v1::KV_FORMAT_COMPRESSED);
+  auto fetched = PutAndFetchCompressed(*ts.client, "s", data);
   ASSERT_TRUE(fetched.ok()) << fetched.status();
   EXPECT_EQ(fetched->info.objective(), "hadamard");
   // Keep an fp64 model of layer 1 before LocalAttention takes the pages.
@@ -103,11 +109,7 @@ TEST(Service, LocalAttentionRefusesARotationOfTheWrongMatrixCount) {
   TestServer ts;
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
-  const KvData data = MakeKv(layout, 40, 4);
-  ASSERT_TRUE(ts.client->PutSequence("m", kTinyModel, layout, data.tokens, data.k.data(),
-                                     data.v.data())
-                  .ok());
-  auto fetched = ts.client->GetKv("m", v1::KV_FORMAT_COMPRESSED);
+  auto fetched = PutAndFetchCompressed(*ts.client, "m", MakeKv(layout, 40, 4));
   ASSERT_TRUE(fetched.ok()) << fetched.status();
   const int matrices = layout.num_kv_heads + 1;
   const size_t floats = size_t(matrices) * layout.head_dim * layout.head_dim;
