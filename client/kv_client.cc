@@ -49,13 +49,28 @@ int64_t KvClient::PutChunkBytes() {
   return std::max<int64_t>(1, std::min(options_.chunk_bytes, limit - kMessageHeadroom));
 }
 
-std::unique_ptr<grpc::ClientContext> KvClient::NewContext() const {
+// A retry is made only if at least this much of the call's deadline is left
+// after its backoff: a shorter attempt would mostly turn UNAVAILABLE into
+// DEADLINE_EXCEEDED, hiding that the server was unavailable.
+constexpr std::chrono::milliseconds kMinRetryTime{20};
+
+KvClient::Clock::time_point KvClient::CallDeadline() const {
+  return Clock::now() + options_.deadline;
+}
+
+std::unique_ptr<grpc::ClientContext> KvClient::NewContext(Clock::time_point deadline) {
   auto ctx = std::make_unique<grpc::ClientContext>();
-  ctx->set_deadline(std::chrono::system_clock::now() + options_.deadline);
+  ctx->set_deadline(deadline);
   return ctx;
 }
 
-absl::Status KvClient::WithRetry(bool read_only, const std::function<grpc::Status()>& call) {
+bool KvClient::RetryFits(Clock::time_point deadline, std::chrono::milliseconds backoff) {
+  return Clock::now() + backoff + kMinRetryTime <= deadline;
+}
+
+absl::Status KvClient::WithRetry(bool read_only,
+                                 const std::function<grpc::Status(grpc::ClientContext&)>& call) {
+  const Clock::time_point deadline = CallDeadline();
   auto backoff = options_.backoff;
   if (!read_only) {
     // A mutating call is sent at most once. What is retried is only getting a
@@ -63,22 +78,28 @@ absl::Status KvClient::WithRetry(bool read_only, const std::function<grpc::Statu
     // has left this process. (A failure after sending is returned as is: the
     // server may have applied the call.)
     for (int attempt = 1;; ++attempt) {
-      const auto wait = std::min<std::chrono::milliseconds>(options_.deadline, backoff * 4);
-      if (channel_->WaitForConnected(std::chrono::system_clock::now() + wait)) break;
-      if (attempt >= options_.max_attempts) {
-        return absl::UnavailableError(
-            absl::StrCat("cannot connect to ", target_, " after ", attempt, " attempts"));
+      const Clock::time_point wait_until = std::min(deadline, Clock::now() + backoff * 4);
+      if (channel_->WaitForConnected(wait_until)) break;
+      if (attempt >= options_.max_attempts || !RetryFits(deadline, backoff)) {
+        return absl::UnavailableError(absl::StrCat("cannot connect to ", target_, " after ",
+                                                   attempt, " attempts within the ",
+                                                   options_.deadline.count(), " ms deadline"));
       }
       std::this_thread::sleep_for(backoff);
       backoff *= 2;
     }
-    return FromGrpcStatus(call());
+    return FromGrpcStatus(call(*NewContext(deadline)));
   }
   grpc::Status status;
   for (int attempt = 1;; ++attempt) {
-    status = call();
+    status = call(*NewContext(deadline));
     const bool retryable = status.error_code() == grpc::StatusCode::UNAVAILABLE;
     if (!retryable || attempt >= options_.max_attempts) break;
+    if (!RetryFits(deadline, backoff)) {
+      return absl::UnavailableError(absl::StrCat(
+          status.error_message(), " (attempt ", attempt, "; too little of the ",
+          options_.deadline.count(), " ms deadline left to retry)"));
+    }
     std::this_thread::sleep_for(backoff);
     backoff *= 2;
   }
@@ -95,9 +116,8 @@ absl::StatusOr<int64_t> KvClient::Append(const std::string& sequence_id,
       FillKvChunk(layout, layer, start_token, n, k, v, req.mutable_chunk()).status());
   v1::AppendKvResponse resp;
   // Sent at most once (see WithRetry).
-  OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {
-    auto ctx = NewContext();
-    return stub_->AppendKv(ctx.get(), req, &resp);
+  OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&](grpc::ClientContext& ctx) {
+    return stub_->AppendKv(&ctx, req, &resp);
   }));
   return resp.tokens();
 }
@@ -106,9 +126,8 @@ absl::StatusOr<int64_t> KvClient::Drop(const std::string& sequence_id) {
   v1::DropSequenceRequest req;
   req.set_sequence_id(sequence_id);
   v1::DropSequenceResponse resp;
-  OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {
-    auto ctx = NewContext();
-    return stub_->DropSequence(ctx.get(), req, &resp);
+  OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&](grpc::ClientContext& ctx) {
+    return stub_->DropSequence(&ctx, req, &resp);
   }));
   return resp.freed_bytes();
 }
@@ -117,9 +136,8 @@ absl::StatusOr<v1::SequenceInfo> KvClient::Stat(const std::string& sequence_id) 
   v1::GetSequenceRequest req;
   req.set_sequence_id(sequence_id);
   v1::SequenceInfo resp;
-  OSCARKV_RETURN_IF_ERROR(WithRetry(true, [&] {
-    auto ctx = NewContext();
-    return stub_->GetSequence(ctx.get(), req, &resp);
+  OSCARKV_RETURN_IF_ERROR(WithRetry(true, [&](grpc::ClientContext& ctx) {
+    return stub_->GetSequence(&ctx, req, &resp);
   }));
   return resp;
 }
@@ -132,9 +150,8 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> KvClient::List(const std::string& 
     req.set_model(model);
     req.set_page_token(token);
     v1::ListSequencesResponse resp;
-    OSCARKV_RETURN_IF_ERROR(WithRetry(true, [&] {
-      auto ctx = NewContext();
-      return stub_->ListSequences(ctx.get(), req, &resp);
+    OSCARKV_RETURN_IF_ERROR(WithRetry(true, [&](grpc::ClientContext& ctx) {
+      return stub_->ListSequences(&ctx, req, &resp);
     }));
     for (auto& s : *resp.mutable_sequences()) all.push_back(std::move(s));
     token = resp.next_page_token();
@@ -144,18 +161,16 @@ absl::StatusOr<std::vector<v1::SequenceInfo>> KvClient::List(const std::string& 
 
 absl::StatusOr<v1::ServerInfo> KvClient::Info() {
   v1::ServerInfo resp;
-  OSCARKV_RETURN_IF_ERROR(WithRetry(true, [&] {
-    auto ctx = NewContext();
-    return stub_->GetServerInfo(ctx.get(), v1::GetServerInfoRequest(), &resp);
+  OSCARKV_RETURN_IF_ERROR(WithRetry(true, [&](grpc::ClientContext& ctx) {
+    return stub_->GetServerInfo(&ctx, v1::GetServerInfoRequest(), &resp);
   }));
   return resp;
 }
 
 absl::StatusOr<v1::ModelInfo> KvClient::LoadCalibration(const v1::LoadCalibrationRequest& req) {
   v1::LoadCalibrationResponse resp;
-  OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&] {
-    auto ctx = NewContext();
-    return stub_->LoadCalibration(ctx.get(), req, &resp);
+  OSCARKV_RETURN_IF_ERROR(WithRetry(false, [&](grpc::ClientContext& ctx) {
+    return stub_->LoadCalibration(&ctx, req, &resp);
   }));
   return resp.model();
 }

@@ -1,11 +1,13 @@
 // The oscarkv C++ client: what a prefill or decode process links to talk to an
 // oscarkv-server (proto/oscarkv/v1/kvcache.proto).
 //
-// Every call has a deadline (ClientOptions::deadline unless stated). Retries
-// happen only where they are safe: a mutating call (PutKv, AppendKv, Attend
-// with appends, Drop, LoadCalibration) is sent at most once; what is retried
-// with backoff is only getting a READY connection before it, when no byte has
-// been sent. Read-only calls are retried on UNAVAILABLE.
+// Every call has a deadline (ClientOptions::deadline unless stated) that
+// bounds all its attempts and backoffs: a retry gets what remains of it, and
+// is not made when too little would remain. Retries happen only where they
+// are safe: a mutating call (PutKv, AppendKv, Attend with appends, Drop,
+// LoadCalibration) is sent at most once; what is retried with backoff is only
+// getting a READY connection before it, when no byte has been sent.
+// Read-only calls are retried on UNAVAILABLE.
 //
 // Thread-safety: a KvClient may be used from many threads at once. PutStream
 // and AttendSession objects belong to one thread at a time.
@@ -31,7 +33,8 @@
 namespace oscarkv {
 
 struct ClientOptions {
-  std::chrono::milliseconds deadline{60000};  // per call (a whole stream for streams)
+  // Per call (a whole stream for streams), all attempts and backoffs included.
+  std::chrono::milliseconds deadline{60000};
   int max_attempts = 4;                        // attempts for a retryable failure
   std::chrono::milliseconds backoff{50};       // doubled per attempt
   int64_t max_message_bytes = 64 << 20;
@@ -214,9 +217,18 @@ class KvClient {
   v1::KvCache::Stub& stub() { return *stub_; }
 
  private:
-  std::unique_ptr<grpc::ClientContext> NewContext() const;
-  // Runs `call` (one attempt) with the retry rule of the header comment.
-  absl::Status WithRetry(bool read_only, const std::function<grpc::Status()>& call);
+  using Clock = std::chrono::system_clock;
+  // When a call starting now must end: now + options_.deadline.
+  Clock::time_point CallDeadline() const;
+  static std::unique_ptr<grpc::ClientContext> NewContext(Clock::time_point deadline);
+  // Whether a retry after sleeping `backoff` still has a useful part of the
+  // call's `deadline` left (kMinRetryTime in kv_client.cc).
+  static bool RetryFits(Clock::time_point deadline, std::chrono::milliseconds backoff);
+  // Runs `call` (one attempt, on a fresh context with the call's deadline)
+  // with the retry rule of the header comment, all attempts within one
+  // CallDeadline().
+  absl::Status WithRetry(bool read_only,
+                         const std::function<grpc::Status(grpc::ClientContext&)>& call);
 
   std::string target_;
   ClientOptions options_;

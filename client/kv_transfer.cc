@@ -134,10 +134,12 @@ absl::StatusOr<std::unique_ptr<PutStream>> KvClient::OpenPut(const std::string& 
   header.mutable_header()->set_model(model);
   header.mutable_header()->set_pin(pin);
   header.mutable_header()->set_expected_tokens(expected_tokens);
+  // The stream's deadline covers the attempts to open it too.
+  const Clock::time_point deadline = CallDeadline();
   auto backoff = options_.backoff;
   for (int attempt = 1;; ++attempt) {
     std::unique_ptr<PutStream> s(new PutStream());
-    s->context_ = NewContext();
+    s->context_ = NewContext(deadline);
     s->response_ = std::make_unique<v1::PutKvResponse>();
     s->layout_ = layout;
     s->writer_ = stub_->PutKv(s->context_.get(), s->response_.get());
@@ -145,7 +147,8 @@ absl::StatusOr<std::unique_ptr<PutStream>> KvClient::OpenPut(const std::string& 
     // The header could not be sent: nothing reached the server.
     s->done_ = true;
     const grpc::Status status = s->writer_->Finish();
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= options_.max_attempts) {
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= options_.max_attempts ||
+        !RetryFits(deadline, backoff)) {
       return FromGrpcStatus(status);
     }
     std::this_thread::sleep_for(backoff);
@@ -192,11 +195,10 @@ absl::StatusOr<FetchedSequence> KvClient::GetKv(const std::string& sequence_id,
   FetchedSequence out;
   out.format = format == v1::KV_FORMAT_BF16 ? v1::KV_FORMAT_BF16 : v1::KV_FORMAT_COMPRESSED;
   // Read-only: a stream that breaks with UNAVAILABLE is fetched again whole.
-  absl::Status status = WithRetry(true, [&]() -> grpc::Status {
+  absl::Status status = WithRetry(true, [&](grpc::ClientContext& ctx) -> grpc::Status {
     out = FetchedSequence();
     out.format = format == v1::KV_FORMAT_BF16 ? v1::KV_FORMAT_BF16 : v1::KV_FORMAT_COMPRESSED;
-    auto ctx = NewContext();
-    auto reader = stub_->GetKv(ctx.get(), req);
+    auto reader = stub_->GetKv(&ctx, req);
     v1::GetKvResponse msg;
     int64_t total = 0;
     std::string bad;  // the reply's first malformed message, if any
@@ -283,7 +285,7 @@ absl::StatusOr<FetchedSequence> KvClient::GetKv(const std::string& sequence_id,
       if (progress) progress(out.bytes_received, total);
     }
     if (!bad.empty()) {
-      ctx->TryCancel();
+      ctx.TryCancel();
       reader->Finish();
       return grpc::Status(grpc::StatusCode::DATA_LOSS, "GetKv reply: " + bad);
     }
@@ -379,10 +381,8 @@ absl::Status AttendSession::Close() {
 absl::StatusOr<std::unique_ptr<AttendSession>> KvClient::OpenAttend(
     std::chrono::milliseconds session_deadline) {
   std::unique_ptr<AttendSession> s(new AttendSession());
-  s->context_ = NewContext();
-  if (session_deadline.count() > 0) {
-    s->context_->set_deadline(std::chrono::system_clock::now() + session_deadline);
-  }
+  s->context_ = NewContext(session_deadline.count() > 0 ? Clock::now() + session_deadline
+                                                         : CallDeadline());
   s->stream_ = stub_->Attend(s->context_.get());
   if (s->stream_ == nullptr) return absl::UnavailableError("cannot open an Attend stream");
   return s;

@@ -2,6 +2,7 @@
 
 #include <cmath>
 #include <cstring>
+#include <string>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -19,6 +20,30 @@ struct LocalAttention::Layer {
   std::vector<float> r_k, r_v;
   RotationRef rotation;
 };
+
+namespace {
+
+// The data-free Hadamard rotation for a layer fetched without its rotation.
+// The objective string alone does not say which matrices the server encoded
+// with (a calibration file may claim "hadamard"), so the rebuilt rotation is
+// used only when the server's rotation_id names exactly it: the default
+// Hadamard rotation of this layout. (A server's --clip_k / --clip_v give the
+// same matrices another id, which cannot be told from other matrices: those
+// sequences need include_rotation too.)
+absl::StatusOr<ModelRotation> RebuildHadamard(const ModelLayout& layout,
+                                              const std::string& rotation_id, int layer) {
+  OSCARKV_ASSIGN_OR_RETURN(ModelRotation hadamard, HadamardRotation(layout));
+  const std::string rebuilt_id = RotationId(hadamard);
+  if (rotation_id != rebuilt_id) {
+    return absl::FailedPreconditionError(absl::StrCat(
+        "layer ", layer, " was fetched without its rotation, and the sequence's rotation_id '",
+        rotation_id, "' is not the default Hadamard rotation this client can rebuild ('",
+        rebuilt_id, "'); fetch with include_rotation"));
+  }
+  return hadamard;
+}
+
+}  // namespace
 
 LocalAttention::~LocalAttention() = default;
 
@@ -69,7 +94,8 @@ absl::StatusOr<std::unique_ptr<LocalAttention>> LocalAttention::Create(FetchedSe
       layer->rotation.stride = f.num_matrices > 1 ? size_t(d) * d : 0;
     } else if (info.objective() == "hadamard") {
       if (hadamard.layers.empty()) {
-        OSCARKV_ASSIGN_OR_RETURN(hadamard, HadamardRotation(la->layout_));
+        OSCARKV_ASSIGN_OR_RETURN(hadamard,
+                                 RebuildHadamard(la->layout_, info.rotation_id(), l));
       }
       layer->r_k = hadamard.layers[l].r_k;
       layer->r_v = hadamard.layers[l].r_v;

@@ -20,7 +20,10 @@ class LocalAttention {
  public:
   // Takes the fetched layers (moved from `fetched`). Each present layer needs
   // its rotation (GetKv include_rotation), or the sequence must use the
-  // data-free Hadamard rotation, which is rebuilt here. `threads` as CpuBackend.
+  // default data-free Hadamard rotation, which is rebuilt here: the
+  // sequence's rotation_id must be that rotation's RotationId (a model that
+  // only calls itself "hadamard", or uses other clip ratios, has another id),
+  // else FAILED_PRECONDITION naming both ids. `threads` as CpuBackend.
   static absl::StatusOr<std::unique_ptr<LocalAttention>> Create(FetchedSequence fetched,
                                                                 int threads = 0);
   ~LocalAttention();

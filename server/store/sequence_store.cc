@@ -165,9 +165,9 @@ void SequenceStore::ReleaseUser(Sequence& seq) {
   }
   if (release) {
     std::lock_guard<std::mutex> lock(seq.mu_);
-    // Drop marks a sequence in use as doomed and subtracts its totals once it
-    // gets the sequence's lock; if this release gets there first, subtract here
-    // so that the committed totals never keep a freed sequence.
+    // Drop marks a sequence doomed and subtracts its totals under this lock,
+    // so counted_ is false here; checked anyway so that the committed totals
+    // never keep a freed sequence.
     if (seq.counted_) AddCommitted(TotalsLocked(seq), -1);
     seq.counted_ = false;
     ReleaseLayers(seq);
@@ -405,30 +405,41 @@ absl::Status SequenceStore::Append(SequenceHandle& seq, int layer, int64_t start
 }
 
 absl::StatusOr<int64_t> SequenceStore::Drop(const std::string& id) {
-  std::shared_ptr<Sequence> seq;
-  bool release_now = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = sequences_.find(id);
-    if (it == sequences_.end() && ingesting_.count(id) > 0) {
-      return absl::FailedPreconditionError(absl::StrCat(
-          "sequence '", id, "' is still being ingested (its PutKv stream has not ended; "
-          "cancelling the stream discards it)"));
+  // The sequence's lock is held (taken before mu_, the lock order) while the
+  // sequence leaves the map and its bytes are counted: a last reader cannot
+  // free its layers in between and leave the reply saying 0 bytes freed.
+  for (;;) {
+    std::shared_ptr<Sequence> seq;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = sequences_.find(id);
+      if (it == sequences_.end() && ingesting_.count(id) > 0) {
+        return absl::FailedPreconditionError(absl::StrCat(
+            "sequence '", id, "' is still being ingested (its PutKv stream has not ended; "
+            "cancelling the stream discards it)"));
+      }
+      if (it == sequences_.end()) {
+        return absl::NotFoundError(absl::StrCat("unknown sequence '", id, "'"));
+      }
+      seq = it->second;
     }
-    if (it == sequences_.end()) {
-      return absl::NotFoundError(absl::StrCat("unknown sequence '", id, "'"));
+    std::lock_guard<std::mutex> seq_lock(seq->mu_);
+    bool release_now = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = sequences_.find(id);
+      // Dropped, evicted or replaced while we waited for its lock: look again.
+      if (it == sequences_.end() || it->second != seq) continue;
+      sequences_.erase(it);
+      release_now = seq->users_ == 0;
+      if (!release_now) seq->doomed_ = true;
     }
-    seq = it->second;
-    sequences_.erase(it);
-    release_now = seq->users_ == 0;
-    if (!release_now) seq->doomed_ = true;
+    const TierTotals totals = TotalsLocked(*seq);
+    if (seq->counted_) AddCommitted(totals, -1);
+    seq->counted_ = false;
+    if (release_now) ReleaseLayers(*seq);
+    return totals.slot_bytes;
   }
-  std::lock_guard<std::mutex> lock(seq->mu_);
-  const TierTotals totals = TotalsLocked(*seq);
-  if (seq->counted_) AddCommitted(totals, -1);
-  seq->counted_ = false;
-  if (release_now) ReleaseLayers(*seq);
-  return totals.slot_bytes;
 }
 
 SequenceStats SequenceStore::StatLocked(Sequence& seq) {

@@ -2,10 +2,12 @@
 // mismatched version, a proxy): a scripted fake KvCache service sends replies
 // the real server never would, and the client must answer with a clear
 // status, never crash or return a half-filled result as OK.
+#include <chrono>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/kv_client.h"
@@ -18,9 +20,10 @@
 namespace oscarkv::testing {
 namespace {
 
-// Replies to every GetKv with `script`, in order, then OK; to each Attend
-// message with `attend_reply` (its request_id copied unless
-// `attend_reply_id` >= 0).
+// Replies to every GetKv with `script`, in order, then OK (except the first
+// `unavailable_get_kv` GetKv calls, which end UNAVAILABLE after
+// `unavailable_after`, as a server still starting); to each Attend message
+// with `attend_reply` (its request_id copied unless `attend_reply_id` >= 0).
 // A handler works on a copy taken when its call starts: the handler of a
 // call the client has cancelled may still be writing when the test sets the
 // next script.
@@ -31,6 +34,8 @@ class ScriptedKvCache final : public v1::KvCache::Service {
     v1::AttendResponse attend_reply;
     int64_t attend_reply_id = -1;
     grpc::Status attend_end = grpc::Status::OK;  // how each Attend stream ends
+    int unavailable_get_kv = 0;
+    std::chrono::milliseconds unavailable_after{0};
   };
   // Changes the script of later calls.
   void Edit(const std::function<void(Script&)>& edit) {
@@ -54,10 +59,24 @@ class ScriptedKvCache final : public v1::KvCache::Service {
   grpc::Status GetKv(grpc::ServerContext*, const v1::GetKvRequest*,
                      grpc::ServerWriter<v1::GetKvResponse>* writer) override {
     const Script s = Copy();
+    int call = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      call = ++get_kv_calls_;
+    }
+    if (call <= s.unavailable_get_kv) {
+      std::this_thread::sleep_for(s.unavailable_after);
+      return grpc::Status(grpc::StatusCode::UNAVAILABLE, "scripted: not ready");
+    }
     for (const auto& m : s.get_kv) {
       if (!writer->Write(m)) break;
     }
     return grpc::Status::OK;
+  }
+  // GetKv calls received so far.
+  int get_kv_calls() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return get_kv_calls_;
   }
 
  private:
@@ -67,23 +86,24 @@ class ScriptedKvCache final : public v1::KvCache::Service {
   }
   std::mutex mu_;
   Script script_;
+  int get_kv_calls_ = 0;
 };
 
 class ClientReply : public ::testing::Test {
  protected:
   void SetUp() override {
     grpc::ServerBuilder b;
-    int port = 0;
-    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port);
+    b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
     b.RegisterService(&fake_);
     server_ = b.BuildAndStart();
     ASSERT_NE(server_, nullptr);
     ClientOptions o;
     o.max_attempts = 1;
     o.deadline = std::chrono::milliseconds(10000);
-    client_ = KvClient::Create("127.0.0.1:" + std::to_string(port), o);
+    client_ = KvClient::Create(Target(), o);
     ASSERT_NE(client_, nullptr);
   }
+  std::string Target() const { return "127.0.0.1:" + std::to_string(port_); }
   void TearDown() override { server_->Shutdown(); }
 
   // The header of a 2-layer tiny sequence of `tokens` tokens.
@@ -140,6 +160,7 @@ class ClientReply : public ::testing::Test {
   }
 
   ScriptedKvCache fake_;
+  int port_ = 0;
   std::unique_ptr<grpc::Server> server_;
   std::unique_ptr<KvClient> client_;
 };
@@ -179,6 +200,58 @@ TEST_F(ClientReply, ALayerThatDoesNotAddUpIsDataLoss) {
   SetGetKv({Header(), Sink(0, 4, 2, 64 * 64), Sink(1, 4, 1, 64 * 64)});
   ExpectStatus(Fetch(v1::KV_FORMAT_COMPRESSED), absl::StatusCode::kDataLoss,
                "rotation has 4096 and 4096 floats; expected 8192");
+}
+
+// A read-only call is retried on UNAVAILABLE with the same reply as a first
+// attempt would get.
+TEST_F(ClientReply, GetKvIsRetriedAfterUnavailable) {
+  SetGetKv({Header(), Bf16(0, 4, 4), Bf16(1, 4, 4)});
+  fake_.Edit([](ScriptedKvCache::Script& s) { s.unavailable_get_kv = 2; });
+  ClientOptions o;
+  o.max_attempts = 3;
+  o.backoff = std::chrono::milliseconds(10);
+  o.deadline = std::chrono::milliseconds(10000);
+  auto got = KvClient::Create(Target(), o)->GetKv("s", v1::KV_FORMAT_BF16);
+  ASSERT_TRUE(got.ok()) << got.status();
+  EXPECT_EQ(got->layers[1].tokens, 4);
+  EXPECT_EQ(fake_.get_kv_calls(), 3);
+}
+
+// The deadline bounds a call with all its retries: each attempt gets what
+// remains, and no attempt is made with too little left.
+TEST_F(ClientReply, RetriesOfAReadOnlyCallShareItsDeadline) {
+  SetGetKv({Header(), Bf16(0, 4, 4), Bf16(1, 4, 4)});
+  fake_.Edit([](ScriptedKvCache::Script& s) {
+    s.unavailable_get_kv = 100;
+    s.unavailable_after = std::chrono::milliseconds(400);
+  });
+  ClientOptions o;
+  o.max_attempts = 4;
+  o.backoff = std::chrono::milliseconds(10);
+  o.deadline = std::chrono::milliseconds(1000);
+  auto client = KvClient::Create(Target(), o);
+  // 400 ms + 10 + 400 + 20, then the third attempt runs into the deadline
+  // (with a fresh deadline per attempt: 4 x 400 ms + backoffs).
+  auto start = std::chrono::steady_clock::now();
+  absl::Status s = client->GetKv("s", v1::KV_FORMAT_BF16).status();
+  const auto took_ms = std::chrono::duration_cast<std::chrono::milliseconds>(
+                           std::chrono::steady_clock::now() - start).count();
+  EXPECT_EQ(s.code(), absl::StatusCode::kDeadlineExceeded) << s;
+  EXPECT_LT(took_ms, 1600);  // 1.67 s with a fresh deadline per attempt; the call count decides
+  EXPECT_LE(fake_.get_kv_calls(), 3);
+
+  // 300 ms, then a 200 ms backoff would leave nothing of 500 ms: no retry.
+  fake_.Edit([](ScriptedKvCache::Script& s) {
+    s.unavailable_get_kv = 1000;
+    s.unavailable_after = std::chrono::milliseconds(300);
+  });
+  const int calls_before = fake_.get_kv_calls();
+  o.backoff = std::chrono::milliseconds(200);
+  o.deadline = std::chrono::milliseconds(500);
+  ExpectStatus(KvClient::Create(Target(), o)->GetKv("s", v1::KV_FORMAT_BF16).status(),
+               absl::StatusCode::kUnavailable,
+               "scripted: not ready (attempt 1; too little of the 500 ms deadline left to retry)");
+  EXPECT_EQ(fake_.get_kv_calls(), calls_before + 1);
 }
 
 // Attend results whose sizes or ids do not match the request: the item (or

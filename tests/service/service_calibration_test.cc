@@ -111,6 +111,46 @@ TEST_P(Calibrated, LoadCalibrationEncodesWithTheFileAndAttendMatchesReference) {
 INSTANTIATE_TEST_SUITE_P(Grouping, Calibrated, ::testing::Values(false, true),
                          [](const auto& info) { return info.param ? "PerHead" : "PerLayer"; });
 
+// A calibration file whose objective says "hadamard" over other matrices:
+// a client that fetched without the rotation must not rebuild the Hadamard
+// rotation for it (its rotation_id is not the Hadamard one).
+TEST(Calibration, AFileCalledHadamardIsNotAttendedWithTheRebuiltHadamard) {
+  ServerOptions options = TinyServerOptions();
+  options.calibration_dir = ::oscarkv::testing::TestTempDir();
+  TestServer ts(options);
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  ModelRotation rot = RandomRotation(layout, false, 7);
+  rot.objective = "hadamard";
+  const std::string path = ::oscarkv::testing::UniqueTempPath("svc_calib_fake_h.safetensors");
+  ASSERT_TRUE(WriteCalibrationFile(path, rot).ok());
+  v1::LoadCalibrationRequest req;
+  req.set_model("tiny-fake-h");
+  req.set_path(path);
+  auto model = ts.client->LoadCalibration(req);
+  ASSERT_TRUE(model.ok()) << model.status();
+  EXPECT_EQ(model->objective(), "hadamard");
+  const KvData data = MakeKv(layout, 60, 6);
+  ASSERT_TRUE(ts.client->PutSequence("f", "tiny-fake-h", layout, data.tokens, data.k.data(),
+                                     data.v.data()).ok());
+  auto bare = ts.client->GetKv("f", v1::KV_FORMAT_COMPRESSED, {}, /*include_rotation=*/false);
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  ExpectStatus(LocalAttention::Create(std::move(*bare), 1).status(),
+               absl::StatusCode::kFailedPrecondition,
+               "rotation_id '" + RotationId(rot) + "' is not the default Hadamard rotation");
+  auto fetched = ts.client->GetKv("f", v1::KV_FORMAT_COMPRESSED);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  auto local = LocalAttention::Create(std::move(*fetched), 1);
+  ASSERT_TRUE(local.ok()) << local.status();
+  const std::vector<float> q = RandomQuery(layout, 5);
+  auto remote = ts.client->Attend({AttendQuery{"f", 1, q.data()}}, layout, false);
+  ASSERT_TRUE(remote.ok() && (*remote)[0].status.ok());
+  std::vector<float> out(q.size());
+  ASSERT_TRUE((*local)->Attend(1, q.data(), out.data(), nullptr).ok());
+  EXPECT_LT(MaxAbsDiff((*remote)[0].out, std::vector<double>(out.begin(), out.end())),
+            BackendTolerance());
+}
+
 TEST(Calibration, CorruptFileContentIsInvalidArgument) {
   TestServer ts;
   ASSERT_NE(ts.client, nullptr);
@@ -132,7 +172,7 @@ TEST(ClientRetry, UnavailableBeforeConnectingIsRetriedUntilTheServerComesUp) {
   ClientOptions options;
   options.max_attempts = 8;
   options.backoff = std::chrono::milliseconds(100);  // 100+200+400+800 ms ...
-  options.deadline = std::chrono::milliseconds(500);
+  options.deadline = std::chrono::milliseconds(10000);  // for all the attempts together
   auto client = KvClient::Create("127.0.0.1:" + std::to_string(port), options);
   std::unique_ptr<TestServer> late;
   std::thread starter([&] {

@@ -4,10 +4,13 @@
 #include <sys/wait.h>
 
 #include <atomic>
+#include <condition_variable>
+#include <mutex>
 #include <thread>
 
 #include "gmock/gmock.h"
 #include "kernels/rotation.h"
+#include "kernels/status_macros.h"
 #include "server/store/sequence_store.h"
 #include "service_fixture.h"
 
@@ -42,34 +45,49 @@ class CopyBatchFailsBackend final : public CpuBackendWrapper {
   int batches = 0;
 };
 
+// A store of the test's own on `backend`: model "m" (tiny layout, Hadamard
+// rotation) in a 4 MiB pool.
+struct TinyStore {
+  ModelRegistry models;
+  std::unique_ptr<PagePool> pool;
+  std::unique_ptr<SequenceStore> store;
+};
+
+absl::Status MakeTinyStore(Backend& backend, TinyStore* out) {
+  OSCARKV_ASSIGN_OR_RETURN(ModelRotation rotation, HadamardRotation(TinyLayout()));
+  OSCARKV_ASSIGN_OR_RETURN(auto entry,
+                           MakeModelEntry("m", std::move(rotation), TinyTiers(), 0, backend));
+  PoolOptions po;
+  po.total_bytes = size_t(4) << 20;
+  po.exact_fraction = 0.5;
+  po.page_bytes = entry->geom.page_bytes();
+  po.block_bytes = entry->geom.exact_block_bytes();
+  OSCARKV_ASSIGN_OR_RETURN(out->pool, PagePool::Create(&backend, po));
+  OSCARKV_RETURN_IF_ERROR(out->models.Register(entry, false));
+  out->store = std::make_unique<SequenceStore>(&backend, out->pool.get(), &out->models,
+                                               EvictionPolicy::kLru);
+  return absl::OkStatus();
+}
+
+// Commits all of `data` as sequence `id` of model "m".
+absl::Status IngestAll(SequenceStore& store, const std::string& id, const KvData& data) {
+  OSCARKV_ASSIGN_OR_RETURN(auto ingest, store.BeginIngest(id, "m", false, 0));
+  OSCARKV_RETURN_IF_ERROR(ingest->Append(-1, 0, data.tokens, data.k.data(), data.k.size() * 2,
+                                         data.v.data(), data.v.size() * 2));
+  return ingest->Commit().status();
+}
+
 // A decode step's fused appends whose row copies fail to reach the device:
 // those items get the error and their sequences become unusable (a row they
 // counted may be missing); items without an append are answered as usual.
 TEST(Fault, FusedAppendsWhoseCopyBatchFailsLeaveTheirSequencesUnusable) {
   CopyBatchFailsBackend backend;
   const ModelLayout layout = TinyLayout();
-  auto rotation = HadamardRotation(layout);
-  ASSERT_TRUE(rotation.ok()) << rotation.status();
-  auto entry = MakeModelEntry("m", std::move(*rotation), TinyTiers(), 0, backend);
-  ASSERT_TRUE(entry.ok()) << entry.status();
-  PoolOptions po;
-  po.total_bytes = size_t(4) << 20;
-  po.exact_fraction = 0.5;
-  po.page_bytes = (*entry)->geom.page_bytes();
-  po.block_bytes = (*entry)->geom.exact_block_bytes();
-  auto pool = PagePool::Create(&backend, po);
-  ASSERT_TRUE(pool.ok()) << pool.status();
-  ModelRegistry models;
-  ASSERT_TRUE(models.Register(*entry, false).ok());
-  SequenceStore store(&backend, pool->get(), &models, EvictionPolicy::kLru);
+  TinyStore tiny;
+  ASSERT_TRUE(MakeTinyStore(backend, &tiny).ok());
+  SequenceStore& store = *tiny.store;
   const KvData data = MakeKv(layout, 40, 3);
-  for (const char* id : {"a", "b"}) {
-    auto ingest = store.BeginIngest(id, "m", false, 0);
-    ASSERT_TRUE(ingest.ok()) << ingest.status();
-    ASSERT_TRUE((*ingest)->Append(-1, 0, 40, data.k.data(), data.k.size() * 2, data.v.data(),
-                                  data.v.size() * 2).ok());
-    ASSERT_TRUE((*ingest)->Commit().ok());
-  }
+  for (const char* id : {"a", "b"}) ASSERT_TRUE(IngestAll(store, id, data).ok());
   auto ha = store.Acquire("a");
   auto hb = store.Acquire("b");
   ASSERT_TRUE(ha.ok() && hb.ok());
@@ -188,6 +206,81 @@ TEST(Fault, DropWhileReadingFreesWhenTheReaderFinishes) {
   }
   EXPECT_EQ(ts.client->Info()->pool().free_bytes(), free0);
   EXPECT_EQ(ts.server->store().Stats().committed.slot_bytes, 0);
+}
+
+// The CPU backend, whose Attend waits while the gate is closed.
+class GatedAttendBackend final : public CpuBackendWrapper {
+ public:
+  absl::Status Attend(const AttendBatch& batch) override {
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      ++waiting_;
+      changed_.notify_all();
+      changed_.wait(lock, [&] { return open_; });
+      --waiting_;
+    }
+    return cpu_.Attend(batch);
+  }
+  void Close() { Set(false); }
+  void Open() { Set(true); }
+  void WaitForAnAttend() {
+    std::unique_lock<std::mutex> lock(mu_);
+    changed_.wait(lock, [&] { return waiting_ > 0; });
+  }
+
+ private:
+  void Set(bool open) {
+    std::lock_guard<std::mutex> lock(mu_);
+    open_ = open;
+    changed_.notify_all();
+  }
+  std::mutex mu_;
+  std::condition_variable changed_;
+  bool open_ = true;
+  int waiting_ = 0;
+};
+
+// Drop while the last reader is inside an Attend (holding the sequence's
+// lock) and lets go right after it: whichever of the two frees the layers,
+// Drop reports the bytes the sequence held. (Drop used to count them after
+// taking the sequence out of the map and letting go of the store's lock; a
+// reader that released in between had already freed them: 0 bytes.) The
+// interleaving is up to the scheduler, so it is tried several times.
+TEST(Fault, DropReportsTheBytesFreedWhenTheLastReaderReleasesMeanwhile) {
+  GatedAttendBackend backend;
+  const ModelLayout layout = TinyLayout();
+  TinyStore tiny;
+  ASSERT_TRUE(MakeTinyStore(backend, &tiny).ok());
+  SequenceStore& store = *tiny.store;
+  const KvData data = MakeKv(layout, 100, 12);
+  const std::vector<float> q = RandomQuery(layout, 13);
+  const int64_t free0 = store.Stats().pool_free_bytes;
+  for (int round = 0; round < 10; ++round) {
+    const std::string id = "d" + std::to_string(round);
+    ASSERT_TRUE(IngestAll(store, id, data).ok());
+    const int64_t held = free0 - store.Stats().pool_free_bytes;
+    ASSERT_GT(held, 0);
+    backend.Close();
+    std::thread reader([&] {
+      auto handle = store.Acquire(id);
+      ASSERT_TRUE(handle.ok()) << handle.status();
+      std::vector<float> out(q.size());
+      EXPECT_TRUE(store.Attend(*handle, 0, q.data(), nullptr, nullptr, -1, out.data(), nullptr,
+                               nullptr).ok());
+    });  // the handle is released right after the Attend
+    backend.WaitForAnAttend();
+    absl::StatusOr<int64_t> freed;
+    std::thread dropper([&] { freed = store.Drop(id); });
+    // Time for Drop to reach the sequence's lock, which the Attend holds.
+    std::this_thread::sleep_for(std::chrono::milliseconds(20));
+    backend.Open();
+    reader.join();
+    dropper.join();
+    ASSERT_TRUE(freed.ok()) << freed.status();
+    EXPECT_EQ(*freed, held) << "round " << round;
+    EXPECT_EQ(store.Stats().pool_free_bytes, free0);
+    EXPECT_EQ(store.Stats().committed.slot_bytes, 0);
+  }
 }
 
 // 28 exact blocks (a 100-token tiny sequence holds 8 and needs 17 at its

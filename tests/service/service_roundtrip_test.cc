@@ -120,6 +120,52 @@ TEST(Service, LocalAttentionRefusesARotationOfTheWrongMatrixCount) {
   ExpectStatus(local.status(), absl::StatusCode::kInvalidArgument, "rotation matrices for");
 }
 
+// A layer fetched without its rotation is attended with the rebuilt Hadamard
+// rotation only when the sequence's rotation_id names it; another id (a
+// server with other clip ratios, a model that only calls itself "hadamard")
+// is refused instead of attended with matrices the server may not have used.
+TEST(Service, LocalAttentionRebuildsHadamardOnlyForItsRotationId) {
+  TestServer ts;
+  ASSERT_NE(ts.client, nullptr);
+  const ModelLayout layout = TinyLayout();
+  const KvData data = MakeKv(layout, 60, 5);
+  ASSERT_TRUE(ts.client->PutSequence("h", kTinyModel, layout, data.tokens, data.k.data(),
+                                     data.v.data()).ok());
+  auto fetched = ts.client->GetKv("h", v1::KV_FORMAT_COMPRESSED, {}, /*include_rotation=*/false);
+  ASSERT_TRUE(fetched.ok()) << fetched.status();
+  ASSERT_EQ(fetched->layers[1].num_matrices, 0);
+  FetchedSequence other_id = *fetched;
+  other_id.info.set_rotation_id("0123456789abcdef");
+  ExpectStatus(LocalAttention::Create(std::move(other_id), 1).status(),
+               absl::StatusCode::kFailedPrecondition,
+               "rotation_id '0123456789abcdef' is not the default Hadamard rotation");
+  auto local = LocalAttention::Create(std::move(*fetched), 1);
+  ASSERT_TRUE(local.ok()) << local.status();
+  const std::vector<float> q = RandomQuery(layout, 11);
+  auto remote = ts.client->Attend({AttendQuery{"h", 1, q.data()}}, layout, false);
+  ASSERT_TRUE(remote.ok() && (*remote)[0].status.ok());
+  std::vector<float> out(q.size());
+  ASSERT_TRUE((*local)->Attend(1, q.data(), out.data(), nullptr).ok());
+  EXPECT_THAT(MaxAbsDiff((*remote)[0].out, std::vector<double>(out.begin(), out.end())),
+              Le(BackendTolerance()));
+
+  // The Hadamard default of a server with other clip ratios: its own id.
+  ServerOptions options = TinyServerOptions();
+  options.clip_k = 0.9f;
+  TestServer clipped(options);
+  ASSERT_NE(clipped.client, nullptr);
+  ASSERT_TRUE(clipped.client->PutSequence("h", kTinyModel, layout, data.tokens, data.k.data(),
+                                          data.v.data()).ok());
+  auto bare = clipped.client->GetKv("h", v1::KV_FORMAT_COMPRESSED, {}, false);
+  ASSERT_TRUE(bare.ok()) << bare.status();
+  EXPECT_EQ(bare->info.objective(), "hadamard");
+  ExpectStatus(LocalAttention::Create(std::move(*bare), 1).status(),
+               absl::StatusCode::kFailedPrecondition, "fetch with include_rotation");
+  auto with_rotation = clipped.client->GetKv("h", v1::KV_FORMAT_COMPRESSED);
+  ASSERT_TRUE(with_rotation.ok()) << with_rotation.status();
+  EXPECT_TRUE(LocalAttention::Create(std::move(*with_rotation), 1).ok());
+}
+
 // A sidecar's clients on the same host may use a Unix domain socket.
 TEST(Service, ServesOverAUnixDomainSocket) {
   const std::string path = ::oscarkv::testing::UniqueTempPath("uds");
