@@ -78,6 +78,54 @@ struct ChunkLoads {
     }
   }
 
+  // The whole chunk from a shared-memory stage laid out as StageRing's:
+  // [K codes][K params][V codes][V params], 32 tokens each. The same
+  // registers as Load from the page.
+  __device__ __forceinline__ void LoadStage(Regs& x, const uint8_t* stage) const {
+    constexpr int kCode = 32 * D / 4, kParam = 32 * NG * 4;
+    const uint8_t* kb = stage + r * (D / 4) + c * (D / 16);
+    const uint8_t* kpb = stage + kCode + r * NG * 4;
+    const uint8_t* vb = stage + kCode + kParam + 2 * c * (D / 4) + r * C::VB;
+    const uint8_t* vpb = stage + 2 * kCode + kParam + r * NG * 4;
+    constexpr int kRowOff[4] = {0, 8, 16, 24};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const uint8_t* kp = kb + kRowOff[i] * (D / 4);
+      if constexpr (C::KW == 1) {
+        x.kc[i][0] = *reinterpret_cast<const uint32_t*>(kp);
+      } else {
+#pragma unroll
+        for (int w = 0; w < C::KW; w += 2) {
+          const uint2 v = *reinterpret_cast<const uint2*>(kp + 4 * w);
+          x.kc[i][w] = v.x;
+          x.kc[i][w + 1] = v.y;
+        }
+      }
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) {
+        x.kp[i][gi] = *reinterpret_cast<const uint32_t*>(kpb + (kRowOff[i] * NG + gi) * 4);
+        x.vp[i][gi] = *reinterpret_cast<const uint32_t*>(vpb + (kRowOff[i] * NG + gi) * 4);
+      }
+    }
+    constexpr int kTokOff[4] = {0, 1, 8, 9};
+#pragma unroll
+    for (int tau = 0; tau < 2; ++tau) {
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint8_t* vp = vb + (16 * tau + kTokOff[i]) * (D / 4);
+        if constexpr (C::VB == 2) {
+          x.vc[tau][i][0] = *reinterpret_cast<const unsigned short*>(vp);
+        } else if constexpr (C::VB == 4) {
+          x.vc[tau][i][0] = *reinterpret_cast<const uint32_t*>(vp);
+        } else {
+          const uint2 v = *reinterpret_cast<const uint2*>(vp);
+          x.vc[tau][i][0] = v.x;
+          x.vc[tau][i][1] = v.y;
+        }
+      }
+    }
+  }
+
   // The V codes of a chunk.
   __device__ __forceinline__ void LoadVCodes(Regs& x, const uint8_t* page, int chunk) const {
     const uint8_t* vb = page + v_thread + size_t(chunk) * (32 * D / 4);

@@ -3,6 +3,7 @@
 // (attend_merge.cuh). Host planning lives in attend_launcher.cu.
 #include "kernels/cuda/attend_launch.h"
 
+#include <atomic>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -12,6 +13,7 @@
 #include "kernels/cuda/attend_kernels.h"
 #include "kernels/cuda/attend_merge.cuh"
 #include "kernels/cuda/attend_prep.cuh"
+#include "kernels/cuda/attend_stage_ring.cuh"
 #include "kernels/cuda/cuda_status.h"
 #include "kernels/status_macros.h"
 
@@ -72,14 +74,18 @@ __device__ void PrefetchExactRowsL2(const LaunchArgs& a, const ItemPlan& item, c
 // pipeline, QK of chunk i+1 next to softmax / PV of chunk i (two independent
 // instruction streams per warp), K and V halves loaded on separate schedules.
 // kIntPv: the history warp is HistoryWarpIntPv with that many P' digits
-// (with kPrefetch only); 0: HistoryWarp.
+// (with kPrefetch only); 0: HistoryWarp. kStages > 0: chunks come through a
+// per-warp ring of that many shared-memory stages filled by bulk copies
+// (attend_stage_ring.cuh; the block's dynamic shared memory is
+// StageRing::kBlockBytes) instead of the register double buffer.
 template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
-          bool kInt = false, int kIntPv = 0>
+          bool kInt = false, int kIntPv = 0, int kStages = 0>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
   using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv>,
                                   HistoryWarp<D, NG, G8, kInt>>;
   static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
+  static_assert(kStages == 0 || !kPipeline, "the stage ring replaces the register buffers");
   constexpr int HG = C::HG;
   __shared__ float sm_o[kWarps][HG][D];
   __shared__ float sm_m[kWarps][HG];
@@ -124,74 +130,114 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
     };
     const int iters = warp < n ? (n - warp + kWarps - 1) / kWarps : 0;
-    typename Warp::Regs ra, rb;
-    if constexpr (kPipeline) {
-      // ra / rb: K halves (QK); va / vb: V halves (PV). At the loop top:
-      // lga = logits(it), va = V(it), rb = K(it+1), ra = K(it+2) and
-      // vb = V(it+1) in flight. Loads go in non-decreasing chunk order.
-      typename Warp::Regs va = {}, vb = {};
-      ra = {};
-      rb = {};
-      float lga[2][4], lgb[2][4];
-      if (iters > 0) {
-        hw.LoadK(ra, page_of(0), in_page(0));
-        hw.LoadV(va, page_of(0), in_page(0));
+    if constexpr (kStages > 0) {
+      extern __shared__ __align__(128) uint8_t ring_smem[];
+      StageRing<D, NG, kStages> ring;
+      ring.Init(ring_smem, warp, lane, a.geom, wu.kv_head);
+      // The first kStages chunks go in flight before the prep kernel's
+      // results are needed. page_of is a warp shuffle: all lanes call it.
+      for (int it = 0; it < iters && it < kStages; ++it) {
+        const uint8_t* page = page_of(it);
+        if (lane == 0) ring.Fill(it, page, in_page(it));
       }
-      if (iters > 1) hw.LoadK(rb, page_of(1), in_page(1));
       WaitForPrerequisites();  // the prep kernel's query fragments
       LaunchDependents();
       if (iters > 0) {
         hw.InitQuery(a, wu.item, wu.kv_head, lane);
-        hw.Logits(ra, lga);
-        if (iters > 1) hw.LoadV(vb, page_of(1), in_page(1));
-        if (iters > 2) hw.LoadK(ra, page_of(2), in_page(2));
-        int it = 0;
-        while (true) {
-          hw.Logits(rb, lgb);  // chunk it+1 (unused past the end)
-          hw.Accumulate(va, lga);
-          if (++it >= iters) break;
-          if (it + 1 < iters) hw.LoadV(va, page_of(it + 1), in_page(it + 1));
-          if (it + 2 < iters) hw.LoadK(rb, page_of(it + 2), in_page(it + 2));
-          hw.Logits(ra, lga);  // chunk it+1
-          hw.Accumulate(vb, lgb);
-          if (++it >= iters) break;
-          if (it + 1 < iters) hw.LoadV(vb, page_of(it + 1), in_page(it + 1));
-          if (it + 2 < iters) hw.LoadK(ra, page_of(it + 2), in_page(it + 2));
+        const int ablate = a.ablate;
+        int s = 0;
+        uint32_t phase = 0;
+        for (int it = 0; it < iters; ++it) {
+          BarrierWait(ring.full + s, phase);
+          typename Warp::Regs x;
+          hw.LoadStage(x, ring.Stage(s));
+          ProcessChunk(hw, x, ablate);
+          BarrierArrive(ring.empty + s);  // this lane is done with stage s
+          if (it + kStages < iters) {
+            const uint8_t* page = page_of(it + kStages);
+            if (lane == 0) {
+              BarrierWait(ring.empty + s, phase);
+              ring.Fill(s, page, in_page(it + kStages));
+            }
+          }
+          if (++s == kStages) {
+            s = 0;
+            phase ^= 1;
+          }
         }
         hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
       }
+      WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
     } else {
-      // The first chunks' loads overlap the prep kernel.
-      if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
-      if (kPrefetch && iters > 1) hw.Load(rb, page_of(1), in_page(1));
-      WaitForPrerequisites();  // the prep kernel's query fragments
-      LaunchDependents();
-      if (iters > 0) {
-        hw.InitQuery(a, wu.item, wu.kv_head, lane);
-        int it = 0;
-        if constexpr (kPrefetch) {
-          // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in service.
-          const int ablate = a.ablate;
-          const bool loads = !(ablate & 4);
-          while (true) {
-            ProcessChunk(hw, ra, ablate);
-            if (++it >= iters) break;
-            if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
-            ProcessChunk(hw, rb, ablate);
-            if (++it >= iters) break;
-            if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
-          }
-        } else {
-          while (true) {
-            hw.Process(ra);
-            if (++it >= iters) break;
-            hw.Load(ra, page_of(it), in_page(it));
-          }
+      typename Warp::Regs ra, rb;
+      if constexpr (kPipeline) {
+        // ra / rb: K halves (QK); va / vb: V halves (PV). At the loop top:
+        // lga = logits(it), va = V(it), rb = K(it+1), ra = K(it+2) and
+        // vb = V(it+1) in flight. Loads go in non-decreasing chunk order.
+        typename Warp::Regs va = {}, vb = {};
+        ra = {};
+        rb = {};
+        float lga[2][4], lgb[2][4];
+        if (iters > 0) {
+          hw.LoadK(ra, page_of(0), in_page(0));
+          hw.LoadV(va, page_of(0), in_page(0));
         }
-        hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
+        if (iters > 1) hw.LoadK(rb, page_of(1), in_page(1));
+        WaitForPrerequisites();  // the prep kernel's query fragments
+        LaunchDependents();
+        if (iters > 0) {
+          hw.InitQuery(a, wu.item, wu.kv_head, lane);
+          hw.Logits(ra, lga);
+          if (iters > 1) hw.LoadV(vb, page_of(1), in_page(1));
+          if (iters > 2) hw.LoadK(ra, page_of(2), in_page(2));
+          int it = 0;
+          while (true) {
+            hw.Logits(rb, lgb);  // chunk it+1 (unused past the end)
+            hw.Accumulate(va, lga);
+            if (++it >= iters) break;
+            if (it + 1 < iters) hw.LoadV(va, page_of(it + 1), in_page(it + 1));
+            if (it + 2 < iters) hw.LoadK(rb, page_of(it + 2), in_page(it + 2));
+            hw.Logits(ra, lga);  // chunk it+1
+            hw.Accumulate(vb, lgb);
+            if (++it >= iters) break;
+            if (it + 1 < iters) hw.LoadV(vb, page_of(it + 1), in_page(it + 1));
+            if (it + 2 < iters) hw.LoadK(ra, page_of(it + 2), in_page(it + 2));
+          }
+          hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
+        }
+      } else {
+        // The first chunks' loads overlap the prep kernel.
+        if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
+        if (kPrefetch && iters > 1) hw.Load(rb, page_of(1), in_page(1));
+        WaitForPrerequisites();  // the prep kernel's query fragments
+        LaunchDependents();
+        if (iters > 0) {
+          hw.InitQuery(a, wu.item, wu.kv_head, lane);
+          int it = 0;
+          if constexpr (kPrefetch) {
+            // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in service.
+            const int ablate = a.ablate;
+            const bool loads = !(ablate & 4);
+            while (true) {
+              ProcessChunk(hw, ra, ablate);
+              if (++it >= iters) break;
+              if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
+              ProcessChunk(hw, rb, ablate);
+              if (++it >= iters) break;
+              if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
+            }
+          } else {
+            while (true) {
+              hw.Process(ra);
+              if (++it >= iters) break;
+              hw.Load(ra, page_of(it), in_page(it));
+            }
+          }
+          hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
+        }
       }
+      WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
     }
-    WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
   }
   if (has_exact) {
     if (has_history) {
@@ -253,11 +299,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
 // Launches `kernel` with programmatic stream serialization (PDL) allowed.
 template <typename Kernel>
 absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream,
-                       const LaunchArgs& a) {
+                       const LaunchArgs& a, size_t dynamic_smem = 0) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
-  cfg.dynamicSmemBytes = 0;
+  cfg.dynamicSmemBytes = dynamic_smem;
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
   attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
@@ -275,12 +321,16 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // most 4 query heads per kv head; other shapes run variants 0 / 2); 6 / 7 =
 // q·K and P·V on the integer tensor cores (HistoryWarpIntPv, 24-bit P'; D =
 // 128, one quantization group, at most 4 query heads per kv head; other
-// shapes run 3) at 3 / 4 blocks per SM; 8 / 9 = 6 / 7 with 16-bit P'.
+// shapes run 3) at 3 / 4 blocks per SM; 8 / 9 = 6 / 7 with 16-bit P';
+// 10 = 8 fed by a ring of kRingStages shared-memory stages per warp (bulk
+// copies; other shapes run 3).
+constexpr int kLastVariant = 10;
+constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
-  return variant >= 6 && variant <= 9 && head_dim == 128 && groups == 1 && !g8;
+  return variant >= 6 && variant <= kLastVariant && head_dim == 128 && groups == 1 && !g8;
 }
 inline bool UsesIntQk(int variant, int head_dim, bool g8) {
-  return (variant >= 3 && variant <= 9) && head_dim == 128 && !g8;
+  return (variant >= 3 && variant <= kLastVariant) && head_dim == 128 && !g8;
 }
 
 template <int D, int NG, bool G8>
@@ -294,9 +344,10 @@ auto SplitKernelFor(int variant) {
     if (variant == 7) return &SplitKernel<D, NG, G8, 4, true, false, false, 3>;
     if (variant == 8) return &SplitKernel<D, NG, G8, 3, true, false, false, 2>;
     if (variant == 9) return &SplitKernel<D, NG, G8, 4, true, false, false, 2>;
+    if (variant == 10) return &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages>;
   }
   if constexpr (D == 128 && !G8) {
-    if (variant == 3 || (variant >= 6 && variant <= 9)) {
+    if (variant == 3 || (variant >= 6 && variant <= kLastVariant)) {
       return &SplitKernel<D, NG, G8, 3, true, false, true>;
     }
     // 5 = 3 held to 4 blocks per SM (at most 128 registers): more warps to hide latency.
@@ -305,6 +356,33 @@ auto SplitKernelFor(int variant) {
   }
   if (variant == 2 || variant == 4) return &SplitKernel<D, NG, G8, 3, false, true>;
   return &SplitKernel<D, NG, G8, 3, Cfg<D, NG, G8>::kPrefetch>;
+}
+
+// The split kernel of `variant` for this shape and its dynamic shared
+// memory (the stage ring's, for variant 10 on its shape). The ring of 4
+// stages takes 36 KB per block, under the default 48 KB limit; the carveout
+// is set to favour shared memory once (a driver call: cheap, not free).
+struct SplitLaunch {
+  void (*kernel)(LaunchArgs);
+  size_t dynamic_smem;
+};
+template <int D, int NG, bool G8>
+absl::StatusOr<SplitLaunch> SplitLaunchFor(int variant) {
+  SplitLaunch l{SplitKernelFor<D, NG, G8>(variant), 0};
+  if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variant 10 runs on
+    if (variant != 10) return l;
+    using Ring = StageRing<D, NG, kRingStages>;
+    static_assert(Ring::kBlockBytes <= 48 * 1024, "above 48 KB needs the dynamic smem attribute");
+    l.dynamic_smem = Ring::kBlockBytes;
+    static std::atomic<bool> carveout_set{false};
+    if (!carveout_set.load(std::memory_order_acquire)) {
+      constexpr cudaFuncAttribute kCarveout = cudaFuncAttributePreferredSharedMemoryCarveout;
+      OSCARKV_CUDA_RETURN_IF_ERROR(
+          cudaFuncSetAttribute(l.kernel, kCarveout, cudaSharedmemCarveoutMaxShared));
+      carveout_set.store(true, std::memory_order_release);
+    }
+  }
+  return l;
 }
 
 template <int D, int NG, bool G8>
@@ -317,8 +395,9 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
   PrepKernel<D, G8><<<dim3(static_cast<unsigned>(heads)), PrepThreads(D), 0, stream>>>(a);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (s.stages >= 2 && s.num_work > 0) {
-    OSCARKV_RETURN_IF_ERROR(
-        LaunchPdl(SplitKernelFor<D, NG, G8>(s.variant), dim3(s.num_work), dim3(kThreads), stream, a));
+    OSCARKV_ASSIGN_OR_RETURN(const SplitLaunch split, (SplitLaunchFor<D, NG, G8>(s.variant)));
+    OSCARKV_RETURN_IF_ERROR(LaunchPdl(split.kernel, dim3(s.num_work), dim3(kThreads), stream, a,
+                                      split.dynamic_smem));
   }
   if (s.stages >= 3) {
     OSCARKV_RETURN_IF_ERROR(
@@ -331,8 +410,9 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
 template <int D, int NG, bool G8>
 absl::StatusOr<int> BlocksPerSmTyped(const LaunchShape& s) {
   int blocks = 0;
+  OSCARKV_ASSIGN_OR_RETURN(const SplitLaunch split, (SplitLaunchFor<D, NG, G8>(s.variant)));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, SplitKernelFor<D, NG, G8>(s.variant), kThreads, 0));
+      &blocks, split.kernel, kThreads, split.dynamic_smem));
   return blocks;
 }
 
@@ -374,7 +454,7 @@ absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(Bl
 }  // namespace cuda_attend
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {
-  return (variant == 8 || variant == 9) && group_size > 0 &&
+  return variant >= 8 && variant <= cuda_attend::kLastVariant && group_size > 0 &&
          cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
 }
 }  // namespace oscarkv

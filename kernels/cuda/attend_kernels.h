@@ -96,10 +96,15 @@ class AttendLauncher {
   //       8K-32K;
   //   9 = 8 held to 128 registers (4 blocks/SM, 16 bytes of spills): 2-4 %
   //       faster than 8 at B1 128K and B8 64K, 9 % slower at 8K and 16 %
-  //       at B8 32K (2026-11-30, run 14); kept for measurement.
+  //       at B8 32K (2026-11-30, run 14); kept for measurement;
+  //   10 = 8 with each warp's chunks fed through a ring of 4 shared-memory
+  //       stages filled by bulk copies (TMA; attend_stage_ring.cuh; other
+  //       shapes run 3): its loads alone stream 10 % faster than 8's, the
+  //       whole loop is within −3 %..+3 % of 8 (2026-11-30, run 15); kept
+  //       as the load path for a leaner loop.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 10;
+  static constexpr int kNumVariants = 11;
   static constexpr int kDefaultVariant = 8;
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }

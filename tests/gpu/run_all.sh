@@ -71,9 +71,10 @@ grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant2.log" | head
 run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cuda_attend_test" \
   --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant0.json"
 grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
-# Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7):
-# differ from the others for D = 128, g <= 4 only (6 and 7 for G = D only).
-for v in 3 6 $([ "$quick" = 1 ] || echo 4 7); do
+# Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7),
+# the default's loop fed by the shared-memory stage ring (10): differ from the
+# others for D = 128, g <= 4 only (6, 7 and 10 for G = D only).
+for v in 3 6 10 $([ "$quick" = 1 ] || echo 4 7); do
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*' \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
@@ -88,6 +89,9 @@ if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-san
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4:*D256_g1_groups2:*D128_g8_groups2:CudaAttendLimits.*'
   run sanitizer_racecheck_attend $cs --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
+  run sanitizer_synccheck_ring env OSCARKV_CUDA_ATTEND_VARIANT=10 $cs --tool synccheck \
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" \
+    --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.Long*'
   run sanitizer_initcheck_attend $cs --tool initcheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2:*D128_g1_groups1'
   run sanitizer_memcheck_codec $cs --tool memcheck --error-exitcode 9 \
