@@ -65,6 +65,15 @@ ABSL_FLAG(std::string, calibration_dir, "",
           "are taken relative to it; files that resolve outside it through .. or symlinks are "
           "refused); empty: LoadCalibration by path is refused, clients send the file's bytes "
           "as content");
+ABSL_FLAG(int, max_models, oscarkv::kDefaultMaxModels,
+          "most models this server holds (--model's and those LoadCalibration registers); "
+          "each holds its rotation in device and host memory and none can be unregistered, "
+          "so registering a new name beyond it is RESOURCE_EXHAUSTED (replacing a model is "
+          "not)");
+ABSL_FLAG(int64_t, stream_idle_timeout_ms, 60000,
+          "a PutKv stream that receives no message, or a GetKv stream whose client takes no "
+          "message, for this long is ended (PutKv: ABORTED, the ingest discarded; GetKv: "
+          "cancelled), releasing its pool slots or sequence; 0: no limit");
 ABSL_FLAG(std::string, eviction, "lru",
           "when the pool is full: lru (evict least-recently-used unpinned sequences) or "
           "refuse (RESOURCE_EXHAUSTED)");
@@ -160,6 +169,16 @@ int main(int argc, char** argv) {
   } else {
     return Fail(absl::StrCat("--eviction must be lru or refuse, got '", eviction, "'"));
   }
+  o.max_models = absl::GetFlag(FLAGS_max_models);
+  if (o.max_models < 1) {
+    return Fail(absl::StrCat("--max_models must be >= 1, got ", o.max_models));
+  }
+  const int64_t idle_ms = absl::GetFlag(FLAGS_stream_idle_timeout_ms);
+  if (idle_ms < 0) {
+    return Fail(
+        absl::StrCat("--stream_idle_timeout_ms must be >= 0 (0: no limit), got ", idle_ms));
+  }
+  o.stream_idle_timeout = std::chrono::milliseconds(idle_ms);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);
   if (o.max_message_bytes < (1 << 20) || o.max_message_bytes > (int64_t{1} << 30)) {
     return Fail("--max_message_bytes must be in [1MiB, 1GiB]");
@@ -188,7 +207,8 @@ int main(int argc, char** argv) {
   }
   std::fprintf(stderr,
                "oscarkv-server: listening on %s, backend %s, pool %.1f MiB%s, "
-               "eviction %s\n  models: %s\n  LoadCalibration by path: %s\n  metrics: %s\n",
+               "eviction %s\n  models: %s\n  LoadCalibration by path: %s\n  limits: %d models, "
+               "streams idle %s\n  metrics: %s\n",
                (*server)->port() > 0
                    ? absl::StrCat("port ", (*server)->port(), " (", o.listen_address, ")").c_str()
                    : o.listen_address.c_str(),
@@ -200,6 +220,9 @@ int main(int argc, char** argv) {
                eviction.c_str(), absl::StrJoin(models, "; ").c_str(),
                o.calibration_dir.empty() ? "off (--calibration_dir)"
                                          : absl::StrCat("files in ", o.calibration_dir).c_str(),
+               o.max_models,
+               idle_ms == 0 ? "without limit"
+                            : absl::StrCat("at most ", idle_ms, " ms").c_str(),
                metrics_listen.empty()
                    ? "off"
                    : absl::StrCat("http://", metrics_listen, "/metrics (port ",

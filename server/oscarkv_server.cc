@@ -146,7 +146,16 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
         "attend_inline_items must be -1 (auto) or a count >= 0, got ",
         options.attend_inline_items));
   }
-  std::unique_ptr<OscarkvServer> s(new OscarkvServer());
+  if (options.max_models < 1) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("max_models must be >= 1, got ", options.max_models));
+  }
+  if (options.stream_idle_timeout.count() < 0) {
+    return absl::InvalidArgumentError(
+        absl::StrCat("stream idle timeout must be >= 0 ms (0: none), got ",
+                     options.stream_idle_timeout.count()));
+  }
+  std::unique_ptr<OscarkvServer> s(new OscarkvServer(options.max_models));
   OSCARKV_ASSIGN_OR_RETURN(s->backend_,
                            CreateBackend(options.backend, options.cpu_threads, options.cuda_device));
   OSCARKV_RETURN_IF_ERROR(ValidateTiers(options.tiers));
@@ -158,6 +167,11 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
     OSCARKV_ASSIGN_OR_RETURN(calibration_dir, RealCalibrationDir(options.calibration_dir));
   }
   if (options.models.empty()) return absl::InvalidArgumentError("no model to serve (--model)");
+  if (options.models.size() > static_cast<size_t>(options.max_models)) {
+    return absl::InvalidArgumentError(absl::StrCat("--model names ", options.models.size(),
+                                                   " models, more than --max_models ",
+                                                   options.max_models));
+  }
 
   // Calibration files by model name.
   std::vector<std::pair<std::string, std::string>> calibs;
@@ -239,6 +253,7 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
   ctx.clip_k = options.clip_k;
   ctx.clip_v = options.clip_v;
   ctx.max_message_bytes = options.max_message_bytes;
+  ctx.stream_idle_timeout = options.stream_idle_timeout;
   ctx.version = options.version;
   s->service_ = std::make_unique<KvCacheService>(std::move(ctx));
 

@@ -69,6 +69,15 @@ struct ServerOptions {
   // taken relative to it. Empty: path loading is refused (PERMISSION_DENIED),
   // clients send the file's bytes as `content` instead.
   std::string calibration_dir;
+  // At most this many models (those of `models` and LoadCalibration's); a
+  // LoadCalibration of a new name beyond it is RESOURCE_EXHAUSTED. Must be
+  // >= 1 and >= models.size().
+  int max_models = kDefaultMaxModels;
+  // A PutKv stream whose next message has not arrived, or a GetKv stream
+  // whose write the client has not taken, for this long is ended by the
+  // server (server/service/stream_watchdog.h), releasing its pool slots or
+  // sequence. 0: never.
+  std::chrono::milliseconds stream_idle_timeout{60000};
   EvictionPolicy eviction = EvictionPolicy::kLru;
   int64_t max_message_bytes = 64 << 20;
   std::string version = "0.1.0";
@@ -107,7 +116,7 @@ class OscarkvServer {
   ServerMetrics* metrics() { return metrics_.get(); }
 
  private:
-  OscarkvServer() = default;
+  explicit OscarkvServer(int max_models) : models_(max_models) {}
 
   std::unique_ptr<Backend> backend_;
   ModelRegistry models_;

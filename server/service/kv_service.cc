@@ -174,14 +174,15 @@ absl::Status KvCacheService::DoLoadCalibration(const v1::LoadCalibrationRequest&
                            MakeModelEntry(request.model(), std::move(rotation), ctx_.tiers,
                                           ctx_.group_size, *ctx_.backend));
   // The refusals first: the probe takes a page and a block from the pool and,
-  // under lru, may evict a stored sequence to get them.
+  // under lru, may evict a stored sequence to get them. A model in use (stored
+  // sequences, or PutKv streams ingesting under its current rotation) is not
+  // replaced: its sequences would keep the old rotation.
   OSCARKV_RETURN_IF_ERROR(ctx_.models->CheckRegistrable(entry->name, request.replace()));
-  if (request.replace() && ctx_.store->CountSequences(entry->name) > 0) {
-    return absl::FailedPreconditionError(
-        absl::StrCat("model '", entry->name, "' has stored sequences; drop them first"));
-  }
+  OSCARKV_RETURN_IF_ERROR(ctx_.store->CheckModelUnused(entry->name));
   OSCARKV_RETURN_IF_ERROR(ctx_.store->ProbeModel(*entry));
-  OSCARKV_RETURN_IF_ERROR(ctx_.models->Register(entry, request.replace()));
+  // Checked again with the registration, atomically with ingests beginning.
+  OSCARKV_RETURN_IF_ERROR(ctx_.store->RegisterIfModelUnused(
+      entry->name, [&] { return ctx_.models->Register(entry, request.replace()); }));
   ToProto(*entry, 0, response->mutable_model());
   return absl::OkStatus();
 }

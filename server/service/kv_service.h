@@ -19,6 +19,7 @@
 #include "oscarkv/v1/kvcache.grpc.pb.h"
 #include "server/service/compute_executor.h"
 #include "server/service/server_metrics.h"
+#include "server/service/stream_watchdog.h"
 #include "server/store/model_registry.h"
 #include "server/store/sequence_store.h"
 
@@ -52,12 +53,16 @@ struct ServiceContext {
   float clip_k = 0.96f;         // Hadamard defaults
   float clip_v = 0.92f;
   int64_t max_message_bytes = 64 << 20;
+  // PutKv / GetKv streams idle on their client this long are ended
+  // (stream_watchdog.h); 0: never.
+  std::chrono::milliseconds stream_idle_timeout{0};
   std::string version;
 };
 
 class KvCacheService final : public v1::KvCache::CallbackService {
  public:
-  explicit KvCacheService(ServiceContext ctx) : ctx_(std::move(ctx)) {}
+  explicit KvCacheService(ServiceContext ctx)
+      : ctx_(std::move(ctx)), watchdog_(ctx_.stream_idle_timeout) {}
 
   grpc::ServerReadReactor<v1::PutKvRequest>* PutKv(grpc::CallbackServerContext* context,
                                                     v1::PutKvResponse* response) override;
@@ -85,6 +90,9 @@ class KvCacheService final : public v1::KvCache::CallbackService {
                                             v1::LoadCalibrationResponse* response) override;
 
   const ServiceContext& context() const { return ctx_; }
+  // Where PutKv and GetKv reactors register while they may stall on their
+  // client.
+  StreamWatchdog& stream_watchdog() const { return watchdog_; }
   // Records one finished RPC in the metrics (no-op without metrics).
   void Record(const char* method, std::chrono::steady_clock::time_point start,
               absl::StatusCode code) const;
@@ -106,6 +114,7 @@ class KvCacheService final : public v1::KvCache::CallbackService {
   absl::Status DoLoadCalibration(const v1::LoadCalibrationRequest& request,
                                  v1::LoadCalibrationResponse* response);
   ServiceContext ctx_;
+  mutable StreamWatchdog watchdog_;
   mutable std::atomic<int> inline_attends_{0};
 };
 

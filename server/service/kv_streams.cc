@@ -2,7 +2,9 @@
 #include <algorithm>
 #include <chrono>
 #include <memory>
+#include <mutex>
 
+#include "absl/base/thread_annotations.h"
 #include "absl/strings/str_cat.h"
 #include "kernels/status_macros.h"
 #include "server/service/convert.h"
@@ -25,17 +27,32 @@ int64_t RotationBytes(const ModelEntry& m, int layer) {
 }
 
 // Reads a header, then chunks; commits the sequence when the client
-// half-closes. Any error, a cancellation or a disconnect destroys the
-// IngestSession, which frees everything the stream had stored.
-class PutKvReactor final : public grpc::ServerReadReactor<v1::PutKvRequest> {
+// half-closes. Any error, a cancellation, a disconnect or a client idle past
+// the server's limit destroys the IngestSession, which frees everything the
+// stream had stored.
+//
+// Phases: a read is pending (waiting on the client: the watchdog may end the
+// stream), or a message is being handled on the executor (it alone touches
+// session_ then). mu_ orders the watchdog against the reactor's own Done.
+class PutKvReactor final : public grpc::ServerReadReactor<v1::PutKvRequest>,
+                           public StallableStream {
  public:
   PutKvReactor(const KvCacheService* svc, grpc::CallbackServerContext* ctx,
                v1::PutKvResponse* response)
       : svc_(svc), ctx_(ctx), response_(response), start_(Clock::now()) {
-    StartRead(&request_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ReadNextLocked();
+    }
+    svc_->stream_watchdog().Add(this);
   }
 
   void OnReadDone(bool ok) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      reading_ = false;
+      if (finished_) return;  // ended as idle meanwhile: nothing more to do
+    }
     if (!ok) {
       RunOn(svc_->context().executor, [this] { EndOfStream(); });
       return;
@@ -48,11 +65,26 @@ class PutKvReactor final : public grpc::ServerReadReactor<v1::PutKvRequest> {
         Done(status);
         return;
       }
-      StartRead(&request_);
+      std::lock_guard<std::mutex> lock(mu_);
+      ReadNextLocked();
     });
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    svc_->stream_watchdog().Remove(this);
+    delete this;
+  }
+
+  void CancelIfIdle(Clock::time_point now, std::chrono::milliseconds limit) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (finished_ || !reading_ || now - read_since_ < limit) return;
+    const auto idle = std::chrono::duration_cast<std::chrono::milliseconds>(now - read_since_);
+    // The pending read then completes with !ok and OnReadDone does nothing;
+    // until then (it takes mu_) the reactor cannot be destroyed.
+    Finish(EndLocked(absl::AbortedError(absl::StrCat(
+        "PutKv stream idle for ", idle.count(), " ms (no message; this server's "
+        "--stream_idle_timeout_ms is ", limit.count(), "); nothing was stored"))));
+  }
 
  private:
   absl::Status HandleMessage() {
@@ -101,10 +133,32 @@ class PutKvReactor final : public grpc::ServerReadReactor<v1::PutKvRequest> {
     Done(absl::OkStatus());
   }
 
+  void ReadNextLocked() ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    reading_ = true;
+    read_since_ = Clock::now();
+    StartRead(&request_);
+  }
+
+  // Runs once, from the stream's own end (on a thread that has no read
+  // pending), never with CancelIfIdle's ending.
   void Done(const absl::Status& status) {
+    grpc::Status end;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (finished_) return;
+      end = EndLocked(status);
+    }
+    // Outside mu_: once finished, OnDone may destroy the reactor (and mu_).
+    Finish(std::move(end));
+  }
+
+  // Marks the stream finished, frees its ingest and records `status`; the
+  // caller then finishes the call with the returned status.
+  grpc::Status EndLocked(const absl::Status& status) ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_) {
+    finished_ = true;
     session_.reset();  // uncommitted: frees every slot of the stream now
     svc_->Record("PutKv", start_, status.code());
-    Finish(ToGrpcStatus(status));
+    return ToGrpcStatus(status);
   }
 
   const KvCacheService* svc_;
@@ -112,36 +166,74 @@ class PutKvReactor final : public grpc::ServerReadReactor<v1::PutKvRequest> {
   v1::PutKvResponse* response_;
   const Clock::time_point start_;
   v1::PutKvRequest request_;
+  // Touched by the handling phase without mu_, and by EndLocked only when
+  // no message is being handled (a read pending, or from the handling task).
   std::unique_ptr<IngestSession> session_;
   int64_t bytes_in_ = 0;
+  std::mutex mu_;
+  bool reading_ ABSL_GUARDED_BY(mu_) = false;  // a read is pending
+  Clock::time_point read_since_ ABSL_GUARDED_BY(mu_);
+  bool finished_ ABSL_GUARDED_BY(mu_) = false;
 };
 
 // Writes the header, then each requested layer: COMPRESSED as sink, history
 // pages, recent; BF16 as token ranges. Each layer is copied out under the
 // sequence's lock once, then streamed, so a concurrent append never tears a
 // layer; the handle keeps the sequence from being evicted meanwhile.
-class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
+//
+// A write the client does not take (it stopped reading, and flow control
+// holds the rest) for the server's idle limit cancels the call: the pending
+// write then fails and the reactor lets go of the sequence. (A status cannot
+// reach a client that does not read; the call ends CANCELLED for it, and
+// ABORTED saying why in the server's metrics.)
+class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse>,
+                           public StallableStream {
  public:
   GetKvReactor(const KvCacheService* svc, grpc::CallbackServerContext* ctx,
                const v1::GetKvRequest* request)
-      : svc_(svc), start_(Clock::now()), request_(*request) {
+      : svc_(svc), ctx_(ctx), start_(Clock::now()), request_(*request) {
     const absl::Status status = Init();
     if (!status.ok()) {
       Done(status);
       return;
     }
+    svc_->stream_watchdog().Add(this);
+    watched_ = true;
     WriteNext();
   }
 
   void OnWriteDone(bool ok) override {
+    std::chrono::milliseconds idle{0};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      writing_ = false;
+      idle = idle_cancelled_after_;
+    }
     if (!ok) {
-      Done(absl::CancelledError("GetKv client went away"));
+      Done(idle.count() > 0
+               ? absl::AbortedError(absl::StrCat(
+                     "GetKv client took no message for ", idle.count(),
+                     " ms (this server's --stream_idle_timeout_ms is ",
+                     svc_->stream_watchdog().limit().count(), "); the call was cancelled"))
+               : absl::CancelledError("GetKv client went away"));
       return;
     }
     WriteNext();
   }
 
-  void OnDone() override { delete this; }
+  void OnDone() override {
+    if (watched_) svc_->stream_watchdog().Remove(this);
+    delete this;
+  }
+
+  void CancelIfIdle(Clock::time_point now, std::chrono::milliseconds limit) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!writing_ || idle_cancelled_after_.count() > 0 || now - write_since_ < limit) return;
+    idle_cancelled_after_ =
+        std::chrono::duration_cast<std::chrono::milliseconds>(now - write_since_);
+    // Finish could not get past the untaken write; cancelling fails it.
+    ctx_->TryCancel();
+  }
 
  private:
   absl::Status Init() {
@@ -196,7 +288,7 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
   void WriteNext() {
     if (header_pending_) {
       header_pending_ = false;
-      StartWrite(&message_);
+      WriteMessage();
       return;
     }
     message_.Clear();
@@ -207,8 +299,15 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
     } else if (done) {
       Done(absl::OkStatus());
     } else {
-      StartWrite(&message_);
+      WriteMessage();
     }
+  }
+
+  void WriteMessage() {
+    std::lock_guard<std::mutex> lock(mu_);
+    writing_ = true;
+    write_since_ = Clock::now();
+    StartWrite(&message_);
   }
 
   // Fills message_ with the next piece, or sets *done.
@@ -330,8 +429,15 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse> {
   }
 
   const KvCacheService* svc_;
+  grpc::CallbackServerContext* ctx_;
   const Clock::time_point start_;
   const v1::GetKvRequest request_;
+  bool watched_ = false;  // registered with the stream watchdog
+  std::mutex mu_;
+  bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a write is pending
+  Clock::time_point write_since_ ABSL_GUARDED_BY(mu_);
+  // Set when the watchdog cancelled the call: how long the write had waited.
+  std::chrono::milliseconds idle_cancelled_after_ ABSL_GUARDED_BY(mu_){0};
   SequenceHandle seq_;
   bool bf16_ = false;
   std::vector<int> layers_;

@@ -66,9 +66,17 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> MakeModelEntry(const std::stri
 }
 
 absl::Status ModelRegistry::CheckRegistrableLocked(const std::string& name, bool replace) const {
-  if (models_.count(name) != 0 && !replace) {
+  const bool registered = models_.count(name) != 0;
+  if (registered && !replace) {
     return absl::AlreadyExistsError(
         absl::StrCat("model '", name, "' is already registered (set replace to swap it)"));
+  }
+  if (!registered && models_.size() >= static_cast<size_t>(max_models_)) {
+    return absl::ResourceExhaustedError(absl::StrCat(
+        "cannot register model '", name, "': this server holds ", models_.size(),
+        " models, its limit (--max_models ", max_models_,
+        "); replace a registered model (replace) or restart the server with a higher "
+        "--max_models"));
   }
   return absl::OkStatus();
 }

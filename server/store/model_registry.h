@@ -51,20 +51,32 @@ absl::StatusOr<std::shared_ptr<const ModelEntry>> MakeModelEntry(const std::stri
                                                                  const TierConfig& tiers,
                                                                  int group_size, Backend& backend);
 
+// The default of ServerOptions::max_models (--max_models). Every model holds
+// its rotation on the backend and on the host, and no RPC unregisters one, so
+// registrations by clients (LoadCalibration) are bounded.
+inline constexpr int kDefaultMaxModels = 64;
+
 class ModelRegistry {
  public:
-  // Registers `entry`. ALREADY_EXISTS when the name is taken and !replace.
+  // Holds at most `max_models` (>= 1) models.
+  explicit ModelRegistry(int max_models = kDefaultMaxModels) : max_models_(max_models) {}
+
+  // Registers `entry`. ALREADY_EXISTS when the name is taken and !replace;
+  // RESOURCE_EXHAUSTED naming the limit when a new name would exceed
+  // max_models (replacing a registered model is always within it).
   absl::Status Register(std::shared_ptr<const ModelEntry> entry, bool replace);
   // What Register would answer for `name` now (it checks again itself).
   absl::Status CheckRegistrable(const std::string& name, bool replace) const;
   // NOT_FOUND naming the model and the registered names.
   absl::StatusOr<std::shared_ptr<const ModelEntry>> Find(const std::string& name) const;
   std::vector<std::shared_ptr<const ModelEntry>> List() const;  // by name
+  int max_models() const { return max_models_; }
 
  private:
   absl::Status CheckRegistrableLocked(const std::string& name, bool replace) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
 
+  const int max_models_;
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<const ModelEntry>> models_ ABSL_GUARDED_BY(mu_);
 };

@@ -124,13 +124,16 @@ absl::StatusOr<std::unique_ptr<IngestSession>> SequenceStore::BeginIngest(
   if (expected_tokens < 0) {
     return absl::InvalidArgumentError("expected_tokens must be >= 0");
   }
-  OSCARKV_ASSIGN_OR_RETURN(std::shared_ptr<const ModelEntry> entry, models_->Find(model));
+  std::shared_ptr<const ModelEntry> entry;
   {
+    // The model is looked up under mu_ so that RegisterIfModelUnused cannot
+    // replace it between this lookup and the ingest being counted.
     std::lock_guard<std::mutex> lock(mu_);
+    OSCARKV_ASSIGN_OR_RETURN(entry, models_->Find(model));
     if (sequences_.count(id)) {
       return absl::AlreadyExistsError(absl::StrCat("sequence '", id, "' already exists"));
     }
-    if (!ingesting_.insert(id).second) {
+    if (!ingesting_.emplace(id, model).second) {
       return absl::AlreadyExistsError(
           absl::StrCat("sequence '", id, "' is being ingested by another stream"));
     }
@@ -507,6 +510,29 @@ int64_t SequenceStore::CountSequences(const std::string& model) const {
   int64_t n = 0;
   for (const auto& [id, s] : sequences_) n += s->model().name == model;
   return n;
+}
+
+absl::Status SequenceStore::CheckModelUnusedLocked(const std::string& model) const {
+  int64_t stored = 0, ingesting = 0;
+  for (const auto& [id, s] : sequences_) stored += s->model().name == model;
+  for (const auto& [id, m] : ingesting_) ingesting += m == model;
+  if (stored == 0 && ingesting == 0) return absl::OkStatus();
+  return absl::FailedPreconditionError(absl::StrCat(
+      "model '", model, "' is in use: ", stored, " stored sequence(s) (drop them first) and ",
+      ingesting, " sequence(s) being ingested (PutKv streams not yet ended); its rotation can be "
+      "replaced once none remain"));
+}
+
+absl::Status SequenceStore::CheckModelUnused(const std::string& model) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CheckModelUnusedLocked(model);
+}
+
+absl::Status SequenceStore::RegisterIfModelUnused(
+    const std::string& model, const std::function<absl::Status()>& registration) {
+  std::lock_guard<std::mutex> lock(mu_);
+  OSCARKV_RETURN_IF_ERROR(CheckModelUnusedLocked(model));
+  return registration();
 }
 
 }  // namespace oscarkv

@@ -13,15 +13,16 @@
 //
 // Thread-safety: all methods may be called concurrently. Calls on one sequence
 // serialize on its mutex. Lock order: Sequence::mu -> SequenceStore::mu_ ->
-// PagePool's mutex; never the reverse.
+// PagePool's mutex, and SequenceStore::mu_ -> ModelRegistry's mutex; never
+// the reverse.
 #ifndef OSCARKV_SERVER_STORE_SEQUENCE_STORE_H_
 #define OSCARKV_SERVER_STORE_SEQUENCE_STORE_H_
 
 #include <cstdint>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -219,6 +220,17 @@ class SequenceStore {
   // Committed sequences of `model`.
   int64_t CountSequences(const std::string& model) const;
 
+  // OK when `model` has neither committed sequences nor PutKv streams
+  // ingesting into it; FAILED_PRECONDITION naming both counts otherwise (a
+  // replaced rotation must not leave sequences encoded with the old one).
+  absl::Status CheckModelUnused(const std::string& model) const;
+  // Runs `registration` (which registers or replaces `model`) only if
+  // CheckModelUnused passes, under the store's lock: no ingest of `model` can
+  // begin or commit between the check and the registration. `registration`
+  // must not call the store.
+  absl::Status RegisterIfModelUnused(const std::string& model,
+                                     const std::function<absl::Status()>& registration);
+
   // Runs one tiny encode + attention for `model` on the backend (one exact
   // block and one page from the pool, returned afterwards), so a model the
   // backend cannot serve (e.g. a page size its kernels do not implement) is
@@ -249,6 +261,8 @@ class SequenceStore {
   SequenceStats StatLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu_);
   TierTotals TotalsLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu_);
   void AddCommitted(const TierTotals& delta, int sign);
+  absl::Status CheckModelUnusedLocked(const std::string& model) const
+      ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Backend buffers for decode scratch (ReadBf16), reused across calls.
   absl::StatusOr<DeviceBuffer> TakeScratch(size_t bytes);
   void ReturnScratch(DeviceBuffer buffer);
@@ -260,7 +274,8 @@ class SequenceStore {
 
   mutable std::mutex mu_;
   std::map<std::string, std::shared_ptr<Sequence>> sequences_ ABSL_GUARDED_BY(mu_);
-  std::set<std::string> ingesting_ ABSL_GUARDED_BY(mu_);
+  // Sequences being ingested (PutKv streams not ended): id -> model name.
+  std::map<std::string, std::string> ingesting_ ABSL_GUARDED_BY(mu_);
   uint64_t clock_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t evictions_ ABSL_GUARDED_BY(mu_) = 0;
   int64_t demotions_ ABSL_GUARDED_BY(mu_) = 0;

@@ -12,9 +12,9 @@ bin=$PWD/$bundle/bin
 export OSCARKV_PUT_AND_DIE=$bin/put_and_die
 nvidia-smi --query-gpu=name,memory.total --format=csv,noheader > "$out/gpu.txt" 2>&1
 summary=()
-for t in service_roundtrip_test service_bad_input_test service_fault_test service_metrics_test \
-         service_calibration_test service_calibration_dir_test server_pool_size_test \
-         sharded_client_test; do
+for t in service_roundtrip_test service_bad_input_test service_fault_test service_idle_stream_test \
+         service_metrics_test service_calibration_test service_calibration_dir_test \
+         server_pool_size_test sharded_client_test; do
   [ -x "$bin/$t" ] || continue
   t0=$SECONDS
   if OSCARKV_TEST_BACKEND=cuda timeout "${TEST_TIMEOUT:-300}" "$bin/$t" > "$out/$t.log" 2>&1; then

@@ -207,6 +207,7 @@ TEST(ServerBinary, FractionalPoolSizeSaysWhichMemoryItIsOf) {
   EXPECT_THAT(banner, HasSubstr("(0.001 of "));
   EXPECT_THAT(banner, HasSubstr("MiB available host memory)"));
   EXPECT_THAT(banner, HasSubstr("LoadCalibration by path: off (--calibration_dir)"));
+  EXPECT_THAT(banner, HasSubstr("limits: 64 models, streams idle at most 60000 ms"));
   EXPECT_EQ(child.Terminate(), 0);
 }
 
@@ -217,6 +218,26 @@ TEST(ServerBinary, BadPoolSizeExitsNamingIt) {
   int status = 0;
   waitpid(child.pid(), &status, 0);
   EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2);
+}
+
+TEST(ServerBinary, ModelLimitAndStreamIdleTimeoutFlagsAreCheckedAndShown) {
+  for (const auto& [flag, message] :
+       std::vector<std::pair<std::string, std::string>>{
+           {"--max_models=0", "--max_models must be >= 1, got 0"},
+           {"--stream_idle_timeout_ms=-5", "--stream_idle_timeout_ms must be >= 0"}}) {
+    ChildServer child({"--listen=127.0.0.1:0", "--metrics_listen=", flag});
+    ASSERT_GT(child.pid(), 0);
+    EXPECT_THAT(child.ReadRest(), HasSubstr(message));
+    int status = 0;
+    waitpid(child.pid(), &status, 0);
+    EXPECT_TRUE(WIFEXITED(status) && WEXITSTATUS(status) == 2) << flag;
+  }
+  ChildServer child({"--listen=127.0.0.1:0", "--metrics_listen=", "--backend=cpu",
+                     "--pool_size=16MiB", "--model=tiny:2:8:2:64", "--max_models=3",
+                     "--stream_idle_timeout_ms=0"});
+  ASSERT_GT(child.pid(), 0);
+  EXPECT_THAT(child.ReadBanner(), HasSubstr("limits: 3 models, streams idle without limit"));
+  EXPECT_EQ(child.Terminate(), 0);
 }
 
 TEST(ServerBinary, BadFlagsExitWithAClearMessage) {

@@ -19,19 +19,6 @@ extern char** environ;
 namespace oscarkv::testing {
 namespace {
 
-// Waits until the pool's free bytes equal `want` (a stream's cleanup runs
-// when the server notices the cancellation).
-int64_t WaitForFree(KvClient& client, int64_t want) {
-  int64_t got = -1;
-  for (int i = 0; i < 200; ++i) {
-    auto info = client.Info();
-    if (info.ok()) got = info->pool().free_bytes();
-    if (got == want) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
-  return got;
-}
-
 // The CPU backend, with a copy batch (Backend::BeginCopyBatch) whose issue
 // fails on demand, as a GPU's driver call could.
 class CopyBatchFailsBackend final : public CpuBackendWrapper {

@@ -4,11 +4,13 @@
 #ifndef OSCARKV_TESTS_SERVICE_SERVICE_FIXTURE_H_
 #define OSCARKV_TESTS_SERVICE_SERVICE_FIXTURE_H_
 
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
 #include <random>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "client/kv_client.h"
@@ -121,6 +123,19 @@ struct TestServer {
     client = KvClient::Create(server->address(), client_options);
   }
 };
+
+// Waits (up to 5 s) until the pool's free bytes equal `want` (a stream's
+// cleanup runs when the server notices its end) and returns the last seen.
+inline int64_t WaitForFree(KvClient& client, int64_t want) {
+  int64_t got = -1;
+  for (int i = 0; i < 200; ++i) {
+    auto info = client.Info();
+    if (info.ok()) got = info->pool().free_bytes();
+    if (got == want) break;
+    std::this_thread::sleep_for(std::chrono::milliseconds(25));
+  }
+  return got;
+}
 
 // Seeded K/V [L][T][Hkv][D] in BF16 with a few large channels.
 struct KvData {
