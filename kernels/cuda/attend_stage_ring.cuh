@@ -9,9 +9,12 @@
 // cost one instruction per chunk on one lane instead of 20 loads per lane.
 // Measured (H200, 2026-11-30, tests/bench/RESULTS.md run 15): the loads
 // alone (benchmark ablation 3) stream 10 % faster than variant 8's (B8 64K
-// 77 % of copy against 69 %), but the whole loop gains at most 3 %: with the
-// math in, the loop is not waiting on load depth. Kept as the load path for
-// a leaner loop (e.g. warp-specialized), not as the default.
+// 77 % of copy against 69 %), but the whole loop gains at most 3 %: the
+// stages arrive in time (~3 % of stall samples on the full barrier), and lane
+// 0's refill in the consumer warps costs 46 instructions and ~14 % of the
+// samples per chunk (a divergent branch; ptxas loops the copy over an
+// elected lane). Kept, not the default, as the load path for a
+// warp-specialized loop: a producer warp issuing every warp's copies.
 //
 // Protocol, per warp and stage s (sm_90, sm_90 PTX ISA 8.0):
 //   full[s]  (count 1): lane 0 arms it with the stage's byte count and issues
