@@ -384,19 +384,6 @@ TEST_F(BadInput, TooManyHeadsAndBadLayoutsAreRefused) {
                absl::StatusCode::kPermissionDenied, "--calibration_dir");
 }
 
-v1::LoadCalibrationRequest HadamardFor(const std::string& model, bool replace) {
-  v1::LoadCalibrationRequest req;
-  req.set_model(model);
-  req.set_replace(replace);
-  const ModelLayout tiny = TinyLayout();
-  v1::ModelLayout* l = req.mutable_hadamard_layout();
-  l->set_num_layers(tiny.num_layers);
-  l->set_num_q_heads(tiny.num_q_heads);
-  l->set_num_kv_heads(tiny.num_kv_heads);
-  l->set_head_dim(tiny.head_dim);
-  return req;
-}
-
 // A sequence still being ingested was encoded from its first chunk with the
 // model's current rotation: replacing the rotation is refused until the
 // stream ends, as it is while committed sequences exist.
@@ -408,14 +395,14 @@ TEST_F(BadInput, ReplacingAModelWhileASequenceOfItIsIngestedIsRefused) {
     std::this_thread::sleep_for(std::chrono::milliseconds(5));
   }
   ASSERT_EQ(ts_.server->store().Stats().ingesting, 1);
-  ExpectStatus(ts_.client->LoadCalibration(HadamardFor(kTinyModel, true)).status(),
+  ExpectStatus(ts_.client->LoadCalibration(TinyHadamardRequest(kTinyModel, true)).status(),
                absl::StatusCode::kFailedPrecondition, "1 sequence(s) being ingested");
   ASSERT_TRUE((*stream)->Write(1, 0, 40, data_.k_at(1, 0), data_.v_at(1, 0)).ok());
   ASSERT_TRUE((*stream)->Finish().ok());
-  ExpectStatus(ts_.client->LoadCalibration(HadamardFor(kTinyModel, true)).status(),
+  ExpectStatus(ts_.client->LoadCalibration(TinyHadamardRequest(kTinyModel, true)).status(),
                absl::StatusCode::kFailedPrecondition, "1 stored sequence(s)");
   ASSERT_TRUE(ts_.client->Drop("ingesting").ok());
-  auto replaced = ts_.client->LoadCalibration(HadamardFor(kTinyModel, true));
+  auto replaced = ts_.client->LoadCalibration(TinyHadamardRequest(kTinyModel, true));
   EXPECT_TRUE(replaced.ok()) << replaced.status();
 }
 
@@ -424,13 +411,13 @@ TEST(ModelLimit, ANewModelBeyondMaxModelsIsResourceExhaustedAndReplacingStillWor
   o.max_models = 2;  // "tiny" and one more
   TestServer ts(o);
   ASSERT_NE(ts.client, nullptr);
-  ASSERT_TRUE(ts.client->LoadCalibration(HadamardFor("second", false)).ok());
+  ASSERT_TRUE(ts.client->LoadCalibration(TinyHadamardRequest("second", false)).ok());
   for (const bool replace : {false, true}) {
-    ExpectStatus(ts.client->LoadCalibration(HadamardFor("third", replace)).status(),
+    ExpectStatus(ts.client->LoadCalibration(TinyHadamardRequest("third", replace)).status(),
                  absl::StatusCode::kResourceExhausted, "--max_models 2");
   }
   EXPECT_EQ(ts.client->Info()->models_size(), 2);
-  auto replaced = ts.client->LoadCalibration(HadamardFor("second", true));
+  auto replaced = ts.client->LoadCalibration(TinyHadamardRequest("second", true));
   EXPECT_TRUE(replaced.ok()) << replaced.status();
   EXPECT_EQ(ts.client->Info()->models_size(), 2);
 }

@@ -375,14 +375,7 @@ TEST(Fault, RefusedLoadCalibrationTakesNothingFromAFullPool) {
     ASSERT_GT(stored, 0);
     const int64_t evictions = ts.client->Info()->evictions();
     const int64_t sequences = ts.client->Info()->sequences();
-    v1::LoadCalibrationRequest req;
-    req.set_model(kTinyModel);
-    const ModelLayout tiny = TinyLayout();
-    v1::ModelLayout* l = req.mutable_hadamard_layout();
-    l->set_num_layers(tiny.num_layers);
-    l->set_num_q_heads(tiny.num_q_heads);
-    l->set_num_kv_heads(tiny.num_kv_heads);
-    l->set_head_dim(tiny.head_dim);
+    v1::LoadCalibrationRequest req = TinyHadamardRequest(kTinyModel, false);
     ExpectStatus(ts.client->LoadCalibration(req).status(), absl::StatusCode::kAlreadyExists,
                  "already registered");
     EXPECT_EQ(ts.client->Info()->evictions(), evictions);

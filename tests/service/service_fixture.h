@@ -65,6 +65,20 @@ inline void ExpectStatus(const grpc::Status& s, grpc::StatusCode code, const std
   EXPECT_THAT(s.error_message(), ::testing::HasSubstr(text));
 }
 
+// A LoadCalibration of the data-free Hadamard rotation of the tiny layout.
+inline v1::LoadCalibrationRequest TinyHadamardRequest(const std::string& model, bool replace) {
+  v1::LoadCalibrationRequest req;
+  req.set_model(model);
+  req.set_replace(replace);
+  const ModelLayout tiny = TinyLayout();
+  v1::ModelLayout* l = req.mutable_hadamard_layout();
+  l->set_num_layers(tiny.num_layers);
+  l->set_num_q_heads(tiny.num_q_heads);
+  l->set_num_kv_heads(tiny.num_kv_heads);
+  l->set_head_dim(tiny.head_dim);
+  return req;
+}
+
 inline ServerOptions TinyServerOptions(size_t pool_bytes = size_t{8} << 20) {
   ServerOptions o;
   o.listen_address = "127.0.0.1:0";
