@@ -36,28 +36,32 @@ struct ChunkLoads {
     LoadV(x, page, chunk);
   }
 
+  // Where a chunk's words are read from: the pages in global memory (the
+  // read-only path) or a shared-memory stage (StageRing).
+  struct FromGlobal {
+    static __device__ __forceinline__ uint32_t U16(const uint8_t* p) {
+      return __ldg(reinterpret_cast<const unsigned short*>(p));
+    }
+    static __device__ __forceinline__ uint32_t U32(const uint8_t* p) { return Ld32(p); }
+    static __device__ __forceinline__ uint2 U64(const uint8_t* p) { return Ld64(p); }
+  };
+  struct FromShared {
+    static __device__ __forceinline__ uint32_t U16(const uint8_t* p) {
+      return *reinterpret_cast<const unsigned short*>(p);
+    }
+    static __device__ __forceinline__ uint32_t U32(const uint8_t* p) {
+      return *reinterpret_cast<const uint32_t*>(p);
+    }
+    static __device__ __forceinline__ uint2 U64(const uint8_t* p) {
+      return *reinterpret_cast<const uint2*>(p);
+    }
+  };
+
   // The K half (codes and params) of a chunk. Per-thread base pointers; every
   // load then uses a compile-time offset (no per-load address arithmetic).
   __device__ __forceinline__ void LoadK(Regs& x, const uint8_t* page, int chunk) const {
-    const uint8_t* kb = page + k_thread + size_t(chunk) * (32 * D / 4);
-    const uint8_t* kpb = page + kp_thread + size_t(chunk) * (32 * NG * 4);
-    constexpr int kRowOff[4] = {0, 8, 16, 24};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      const uint8_t* kp = kb + kRowOff[i] * (D / 4);
-      if constexpr (C::KW == 1) {
-        x.kc[i][0] = Ld32(kp);
-      } else {
-#pragma unroll
-        for (int w = 0; w < C::KW; w += 2) {
-          const uint2 v = Ld64(kp + 4 * w);
-          x.kc[i][w] = v.x;
-          x.kc[i][w + 1] = v.y;
-        }
-      }
-#pragma unroll
-      for (int gi = 0; gi < NG; ++gi) x.kp[i][gi] = Ld32(kpb + (kRowOff[i] * NG + gi) * 4);
-    }
+    ReadK<FromGlobal>(x, page + k_thread + size_t(chunk) * (32 * D / 4),
+                      page + kp_thread + size_t(chunk) * (32 * NG * 4));
   }
 
   // The V half (codes and params) of a chunk.
@@ -69,66 +73,61 @@ struct ChunkLoads {
   // The V (scale, min) of a chunk's tokens r, r+8, 16+r, 24+r.
   __device__ __forceinline__ void LoadVParams(uint32_t (&vp)[4][NG], const uint8_t* page,
                                               int chunk) const {
-    const uint8_t* vpb = page + vp_thread + size_t(chunk) * (32 * NG * 4);
-    constexpr int kRowOff[4] = {0, 8, 16, 24};
-#pragma unroll
-    for (int i = 0; i < 4; ++i) {
-#pragma unroll
-      for (int gi = 0; gi < NG; ++gi) vp[i][gi] = Ld32(vpb + (kRowOff[i] * NG + gi) * 4);
-    }
+    ReadParams<FromGlobal>(vp, page + vp_thread + size_t(chunk) * (32 * NG * 4));
+  }
+
+  // The V codes of a chunk.
+  __device__ __forceinline__ void LoadVCodes(Regs& x, const uint8_t* page, int chunk) const {
+    ReadVCodes<FromGlobal>(x, page + v_thread + size_t(chunk) * (32 * D / 4));
   }
 
   // The whole chunk from a shared-memory stage laid out as StageRing's:
-  // [K codes][K params][V codes][V params], 32 tokens each. The same
+  // [K codes][K params][V codes][V params], 32 tokens each; the same
   // registers as Load from the page.
   __device__ __forceinline__ void LoadStage(Regs& x, const uint8_t* stage) const {
     constexpr int kCode = 32 * D / 4, kParam = 32 * NG * 4;
-    const uint8_t* kb = stage + r * (D / 4) + c * (D / 16);
-    const uint8_t* kpb = stage + kCode + r * NG * 4;
-    const uint8_t* vb = stage + kCode + kParam + 2 * c * (D / 4) + r * C::VB;
-    const uint8_t* vpb = stage + 2 * kCode + kParam + r * NG * 4;
+    ReadK<FromShared>(x, stage + r * (D / 4) + c * (D / 16), stage + kCode + r * NG * 4);
+    ReadParams<FromShared>(x.vp, stage + 2 * kCode + kParam + r * NG * 4);
+    ReadVCodes<FromShared>(x, stage + kCode + kParam + 2 * c * (D / 4) + r * C::VB);
+  }
+
+ private:
+  // K codes and params of tokens r, r+8, 16+r, 24+r from this thread's bases.
+  template <class From>
+  static __device__ __forceinline__ void ReadK(Regs& x, const uint8_t* kb, const uint8_t* kpb) {
     constexpr int kRowOff[4] = {0, 8, 16, 24};
 #pragma unroll
     for (int i = 0; i < 4; ++i) {
       const uint8_t* kp = kb + kRowOff[i] * (D / 4);
       if constexpr (C::KW == 1) {
-        x.kc[i][0] = *reinterpret_cast<const uint32_t*>(kp);
+        x.kc[i][0] = From::U32(kp);
       } else {
 #pragma unroll
         for (int w = 0; w < C::KW; w += 2) {
-          const uint2 v = *reinterpret_cast<const uint2*>(kp + 4 * w);
+          const uint2 v = From::U64(kp + 4 * w);
           x.kc[i][w] = v.x;
           x.kc[i][w + 1] = v.y;
         }
       }
 #pragma unroll
-      for (int gi = 0; gi < NG; ++gi) {
-        x.kp[i][gi] = *reinterpret_cast<const uint32_t*>(kpb + (kRowOff[i] * NG + gi) * 4);
-        x.vp[i][gi] = *reinterpret_cast<const uint32_t*>(vpb + (kRowOff[i] * NG + gi) * 4);
-      }
-    }
-    constexpr int kTokOff[4] = {0, 1, 8, 9};
-#pragma unroll
-    for (int tau = 0; tau < 2; ++tau) {
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        const uint8_t* vp = vb + (16 * tau + kTokOff[i]) * (D / 4);
-        if constexpr (C::VB == 2) {
-          x.vc[tau][i][0] = *reinterpret_cast<const unsigned short*>(vp);
-        } else if constexpr (C::VB == 4) {
-          x.vc[tau][i][0] = *reinterpret_cast<const uint32_t*>(vp);
-        } else {
-          const uint2 v = *reinterpret_cast<const uint2*>(vp);
-          x.vc[tau][i][0] = v.x;
-          x.vc[tau][i][1] = v.y;
-        }
-      }
+      for (int gi = 0; gi < NG; ++gi) x.kp[i][gi] = From::U32(kpb + (kRowOff[i] * NG + gi) * 4);
     }
   }
 
-  // The V codes of a chunk.
-  __device__ __forceinline__ void LoadVCodes(Regs& x, const uint8_t* page, int chunk) const {
-    const uint8_t* vb = page + v_thread + size_t(chunk) * (32 * D / 4);
+  // (scale, min) words of tokens r, r+8, 16+r, 24+r from this thread's base.
+  template <class From>
+  static __device__ __forceinline__ void ReadParams(uint32_t (&p)[4][NG], const uint8_t* pb) {
+    constexpr int kRowOff[4] = {0, 8, 16, 24};
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+#pragma unroll
+      for (int gi = 0; gi < NG; ++gi) p[i][gi] = From::U32(pb + (kRowOff[i] * NG + gi) * 4);
+    }
+  }
+
+  // V codes of tokens 16τ + {2c, 2c+1, 2c+8, 2c+9} from this thread's base.
+  template <class From>
+  static __device__ __forceinline__ void ReadVCodes(Regs& x, const uint8_t* vb) {
     constexpr int kTokOff[4] = {0, 1, 8, 9};
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
@@ -136,11 +135,11 @@ struct ChunkLoads {
       for (int i = 0; i < 4; ++i) {
         const uint8_t* vp = vb + (16 * tau + kTokOff[i]) * (D / 4);
         if constexpr (C::VB == 2) {
-          x.vc[tau][i][0] = __ldg(reinterpret_cast<const unsigned short*>(vp));
+          x.vc[tau][i][0] = From::U16(vp);
         } else if constexpr (C::VB == 4) {
-          x.vc[tau][i][0] = Ld32(vp);
+          x.vc[tau][i][0] = From::U32(vp);
         } else {
-          const uint2 v = Ld64(vp);
+          const uint2 v = From::U64(vp);
           x.vc[tau][i][0] = v.x;
           x.vc[tau][i][1] = v.y;
         }
