@@ -16,7 +16,10 @@ namespace {
 
 using ::testing::HasSubstr;
 
-constexpr std::chrono::milliseconds kIdleLimit{200};
+// Long enough that a loaded CI machine's scheduling hiccups (a test thread
+// not run for a few hundred ms) neither end an active stream nor end a
+// stalled one before the test has looked at what it holds.
+constexpr std::chrono::milliseconds kIdleLimit{1000};
 
 ServerOptions IdleLimitedOptions(size_t pool_bytes = size_t{8} << 20) {
   ServerOptions o = TinyServerOptions(pool_bytes);
@@ -59,10 +62,10 @@ TEST(IdleStream, PutWhoseMessagesKeepComingOutlastsTheLimit) {
   const KvData data = MakeKv(TinyLayout(), 100, 2);
   auto stream = ts.client->OpenPut("slow", kTinyModel, TinyLayout(), false, 100);
   ASSERT_TRUE(stream.ok()) << stream.status();
-  // Twenty chunks a quarter of the limit apart: the stream lives five limits.
+  // Twenty chunks a tenth of the limit apart: the stream lives twice the limit.
   for (int l = 0; l < 2; ++l) {
     for (int t = 0; t < 100; t += 10) {
-      std::this_thread::sleep_for(kIdleLimit / 4);
+      std::this_thread::sleep_for(kIdleLimit / 10);
       ASSERT_TRUE((*stream)->Write(l, t, 10, data.k_at(l, t), data.v_at(l, t)).ok());
     }
   }
