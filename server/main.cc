@@ -73,7 +73,7 @@ ABSL_FLAG(int, max_models, oscarkv::kDefaultMaxModels,
 ABSL_FLAG(int64_t, stream_idle_timeout_ms, 60000,
           "a PutKv stream that receives no message, or a GetKv stream whose client takes no "
           "message, for this long is ended (PutKv: ABORTED, the ingest discarded; GetKv: "
-          "cancelled), releasing its pool slots or sequence; 0: no limit");
+          "cancelled), releasing its pool slots or sequence; 0: no limit; at most a week");
 ABSL_FLAG(std::string, eviction, "lru",
           "when the pool is full: lru (evict least-recently-used unpinned sequences) or "
           "refuse (RESOURCE_EXHAUSTED)");
@@ -174,9 +174,9 @@ int main(int argc, char** argv) {
     return Fail(absl::StrCat("--max_models must be >= 1, got ", o.max_models));
   }
   const int64_t idle_ms = absl::GetFlag(FLAGS_stream_idle_timeout_ms);
-  if (idle_ms < 0) {
-    return Fail(
-        absl::StrCat("--stream_idle_timeout_ms must be >= 0 (0: no limit), got ", idle_ms));
+  if (idle_ms < 0 || idle_ms > oscarkv::kMaxStreamIdleTimeout.count()) {
+    return Fail(absl::StrCat("--stream_idle_timeout_ms must be >= 0 (0: no limit) and at most ",
+                             oscarkv::kMaxStreamIdleTimeout.count(), " (a week), got ", idle_ms));
   }
   o.stream_idle_timeout = std::chrono::milliseconds(idle_ms);
   o.max_message_bytes = absl::GetFlag(FLAGS_max_message_bytes);

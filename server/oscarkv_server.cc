@@ -150,10 +150,11 @@ absl::StatusOr<std::unique_ptr<OscarkvServer>> OscarkvServer::Start(
     return absl::InvalidArgumentError(
         absl::StrCat("max_models must be >= 1, got ", options.max_models));
   }
-  if (options.stream_idle_timeout.count() < 0) {
-    return absl::InvalidArgumentError(
-        absl::StrCat("stream idle timeout must be >= 0 ms (0: none), got ",
-                     options.stream_idle_timeout.count()));
+  if (options.stream_idle_timeout.count() < 0 ||
+      options.stream_idle_timeout > kMaxStreamIdleTimeout) {
+    return absl::InvalidArgumentError(absl::StrCat(
+        "stream idle timeout must be in [0, ", kMaxStreamIdleTimeout.count(),
+        "] ms (0: none), got ", options.stream_idle_timeout.count()));
   }
   std::unique_ptr<OscarkvServer> s(new OscarkvServer(options.max_models));
   OSCARKV_ASSIGN_OR_RETURN(s->backend_,

@@ -36,6 +36,10 @@ struct PoolSize {
 // 203 vs 170, 16 items 982 vs 903 (tests/bench/RESULTS.md, run 9).
 inline constexpr int kAttendInlineItems = 16;
 
+// The longest stream idle limit accepted (a week). Larger values would
+// overflow when compared with clock durations in nanoseconds; 0 means none.
+inline constexpr std::chrono::milliseconds kMaxStreamIdleTimeout{int64_t{7} * 24 * 3600 * 1000};
+
 struct ServerOptions {
   std::string listen_address = "127.0.0.1:0";
   std::string backend = "auto";  // auto | cpu | cuda
@@ -76,7 +80,7 @@ struct ServerOptions {
   // A PutKv stream whose next message has not arrived, or a GetKv stream
   // whose write the client has not taken, for this long is ended by the
   // server (server/service/stream_watchdog.h), releasing its pool slots or
-  // sequence. 0: never.
+  // sequence. 0: never; at most kMaxStreamIdleTimeout.
   std::chrono::milliseconds stream_idle_timeout{60000};
   EvictionPolicy eviction = EvictionPolicy::kLru;
   int64_t max_message_bytes = 64 << 20;

@@ -372,7 +372,10 @@ absl::StatusOr<SplitLaunch> SplitLaunchFor(int variant) {
   if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variant 10 runs on
     if (variant != 10) return l;
     using Ring = StageRing<D, NG, kRingStages>;
-    static_assert(Ring::kBlockBytes <= 48 * 1024, "above 48 KB needs the dynamic smem attribute");
+    // With the kernel's static shared memory (sm_o, sm_m, sm_l).
+    constexpr int kStaticBytes = kWarps * Cfg<D, NG, G8>::HG * (D + 2) * 4;
+    static_assert(Ring::kBlockBytes + kStaticBytes <= 48 * 1024,
+                  "above 48 KB needs the dynamic smem attribute");
     l.dynamic_smem = Ring::kBlockBytes;
     static std::atomic<bool> carveout_set{false};
     if (!carveout_set.load(std::memory_order_acquire)) {

@@ -224,7 +224,8 @@ TEST(ServerBinary, ModelLimitAndStreamIdleTimeoutFlagsAreCheckedAndShown) {
   for (const auto& [flag, message] :
        std::vector<std::pair<std::string, std::string>>{
            {"--max_models=0", "--max_models must be >= 1, got 0"},
-           {"--stream_idle_timeout_ms=-5", "--stream_idle_timeout_ms must be >= 0"}}) {
+           {"--stream_idle_timeout_ms=-5", "--stream_idle_timeout_ms must be >= 0"},
+           {"--stream_idle_timeout_ms=9223372036854775807", "and at most 604800000 (a week)"}}) {
     ChildServer child({"--listen=127.0.0.1:0", "--metrics_listen=", flag});
     ASSERT_GT(child.pid(), 0);
     EXPECT_THAT(child.ReadRest(), HasSubstr(message));

@@ -3,6 +3,7 @@
 // GetKv whose client takes nothing is cancelled, letting go of its sequence.
 // Streams that make progress are not ended however long they last.
 #include <chrono>
+#include <limits>
 #include <sstream>
 #include <thread>
 
@@ -117,11 +118,16 @@ TEST(IdleStream, GetKvWhoseClientStopsReadingIsCancelledAndLetsGoOfItsSequence) 
               HasSubstr("oscarkv_rpc_duration_seconds_count{code=\"ABORTED\",method=\"GetKv\"} 1"));
 }
 
-TEST(IdleStream, NegativeLimitIsRefusedAtStart) {
-  ServerOptions o = TinyServerOptions();
-  o.stream_idle_timeout = std::chrono::milliseconds(-1);
-  ExpectStatus(OscarkvServer::Start(o, nullptr).status(), absl::StatusCode::kInvalidArgument,
-               "stream idle timeout");
+// A negative limit, or one so large that comparing it with clock durations
+// in nanoseconds would overflow (and end every stream at once), is refused.
+TEST(IdleStream, NegativeOrHugeLimitIsRefusedAtStart) {
+  for (const int64_t ms : {int64_t{-1}, kMaxStreamIdleTimeout.count() + 1,
+                           std::numeric_limits<int64_t>::max()}) {
+    ServerOptions o = TinyServerOptions();
+    o.stream_idle_timeout = std::chrono::milliseconds(ms);
+    ExpectStatus(OscarkvServer::Start(o, nullptr).status(), absl::StatusCode::kInvalidArgument,
+                 "stream idle timeout must be in [0, 604800000] ms");
+  }
 }
 
 }  // namespace
