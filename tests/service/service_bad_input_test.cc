@@ -229,9 +229,7 @@ TEST(AttendLimits, AReplyLargerThanTheMessageLimitAppliesNothing) {
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
   const KvData data = MakeKv(layout, 25, 12);
-  const KvData first24 = data.Prefix(24);
-  ASSERT_TRUE(
-      ts.client->PutSequence("r", kTinyModel, layout, 24, first24.k.data(), first24.v.data()).ok());
+  ASSERT_TRUE(PutFirstTokens(*ts.client, "r", data, 24).ok());
   const std::vector<float> q = RandomQuery(layout, 5);
   // ~2.06 KB of query per item, ~2.09 KB of reply with lse: 500 items fit a
   // 1 MiB request but not their reply.

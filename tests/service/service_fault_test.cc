@@ -315,7 +315,6 @@ TEST(Fault, HopelessRequestEvictsNothing) {
   TestServer ts(SmallPool(EvictionPolicy::kLru));
   ASSERT_NE(ts.client, nullptr);
   const KvData data = MakeKv(TinyLayout(), 100, 6);
-  const KvData first20 = data.Prefix(20);
   // Two pinned 100-token sequences (8 blocks each) and one idle 20-token one
   // (6 blocks) leave 6 of 28 blocks free; a 100-token ingest needs 17 at its
   // peak: even evicting "idle" (6 more) cannot make room.
@@ -323,8 +322,7 @@ TEST(Fault, HopelessRequestEvictsNothing) {
                                      data.v.data(), true).ok());
   ASSERT_TRUE(ts.client->PutSequence("p2", kTinyModel, TinyLayout(), 100, data.k.data(),
                                      data.v.data(), true).ok());
-  ASSERT_TRUE(ts.client->PutSequence("idle", kTinyModel, TinyLayout(), 20, first20.k.data(),
-                                     first20.v.data()).ok());
+  ASSERT_TRUE(PutFirstTokens(*ts.client, "idle", data, 20).ok());
   auto big = ts.client->PutSequence("big", kTinyModel, TinyLayout(), 100, data.k.data(),
                                     data.v.data());
   EXPECT_EQ(big.status().code(), absl::StatusCode::kResourceExhausted) << big.status();

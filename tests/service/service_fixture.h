@@ -189,6 +189,15 @@ inline KvData MakeKv(const ModelLayout& layout, int64_t tokens, uint64_t seed) {
   return d;
 }
 
+// Stores the first `tokens` tokens of `data` as sequence `id` of the tiny
+// model (the rest are left for the test to append).
+inline absl::Status PutFirstTokens(KvClient& client, const std::string& id, const KvData& data,
+                                   int64_t tokens) {
+  const KvData first = data.Prefix(tokens);
+  return client.PutSequence(id, kTinyModel, data.layout, tokens, first.k.data(), first.v.data())
+      .status();
+}
+
 inline std::vector<float> RandomQuery(const ModelLayout& l, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::normal_distribution<float> nd(0.0f, 1.0f);

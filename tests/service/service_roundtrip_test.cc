@@ -215,9 +215,7 @@ TEST(Service, PerLayerAppendReportsTheAppendedLayersTokens) {
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
   const KvData data = MakeKv(layout, 12, 8);
-  const KvData first10 = data.Prefix(10);
-  ASSERT_TRUE(
-      ts.client->PutSequence("p", kTinyModel, layout, 10, first10.k.data(), first10.v.data()).ok());
+  ASSERT_TRUE(PutFirstTokens(*ts.client, "p", data, 10).ok());
   for (int t = 10; t < 12; ++t) {
     auto n = ts.client->Append("p", layout, 0, t, 1, data.k_at(0, t), data.v_at(0, t));
     ASSERT_TRUE(n.ok()) << n.status();
@@ -238,10 +236,7 @@ TEST(Service, AppendAcrossDemotionBoundaryKeepsTiersAndAttention) {
   const ModelLayout layout = TinyLayout();
   const KvData data = MakeKv(layout, 60, 3);
   // 30 tokens: below S0 + W + P = 32, so no history yet.
-  const KvData first30 = data.Prefix(30);
-  ASSERT_TRUE(
-      ts.client->PutSequence("a", kTinyModel, layout, 30, first30.k.data(), first30.v.data())
-          .ok());
+  ASSERT_TRUE(PutFirstTokens(*ts.client, "a", data, 30).ok());
   auto st = ts.client->Stat("a");
   ASSERT_TRUE(st.ok());
   EXPECT_EQ(st->history_tokens(), 0);
@@ -305,13 +300,8 @@ void MixedAttendMessage(int attend_inline_items) {
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
   const KvData data = MakeKv(layout, 61, 12);
-  const KvData first60 = data.Prefix(60);
-  ASSERT_TRUE(
-      ts.client->PutSequence("m1", kTinyModel, layout, 60, first60.k.data(), first60.v.data())
-          .ok());
-  ASSERT_TRUE(
-      ts.client->PutSequence("m2", kTinyModel, layout, 60, first60.k.data(), first60.v.data())
-          .ok());
+  ASSERT_TRUE(PutFirstTokens(*ts.client, "m1", data, 60).ok());
+  ASSERT_TRUE(PutFirstTokens(*ts.client, "m2", data, 60).ok());
   ASSERT_TRUE(ts.client->PutSequence("ref", kTinyModel, layout, 61, data.k.data(), data.v.data()).ok());
   const std::vector<float> q = RandomQuery(layout, 4);
   // m1: append token 60 on both layers (same sequence twice in one message),
@@ -377,10 +367,7 @@ TEST(Service, FusedAppendsThatDemoteInOneMessageAttendTheFinalCache) {
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();  // S0 8, W 16, P 8: demotion at 32 tokens
   const KvData data = MakeKv(layout, 32, 21);
-  const KvData first30 = data.Prefix(30);
-  ASSERT_TRUE(
-      ts.client->PutSequence("d", kTinyModel, layout, 30, first30.k.data(), first30.v.data())
-          .ok());
+  ASSERT_TRUE(PutFirstTokens(*ts.client, "d", data, 30).ok());
   ASSERT_TRUE(ts.client->PutSequence("ref", kTinyModel, layout, 32, data.k.data(), data.v.data()).ok());
   const std::vector<float> q = RandomQuery(layout, 9);
   auto r = ts.client->Attend({{"d", 0, q.data(), data.k_at(0, 30), data.v_at(0, 30), 30},
