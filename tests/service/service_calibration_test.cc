@@ -142,13 +142,9 @@ TEST(Calibration, AFileCalledHadamardIsNotAttendedWithTheRebuiltHadamard) {
   ASSERT_TRUE(fetched.ok()) << fetched.status();
   auto local = LocalAttention::Create(std::move(*fetched), 1);
   ASSERT_TRUE(local.ok()) << local.status();
-  const std::vector<float> q = RandomQuery(layout, 5);
-  auto remote = ts.client->Attend({AttendQuery{"f", 1, q.data()}}, layout, false);
-  ASSERT_TRUE(remote.ok() && (*remote)[0].status.ok());
-  std::vector<float> out(q.size());
-  ASSERT_TRUE((*local)->Attend(1, q.data(), out.data(), nullptr).ok());
-  EXPECT_LT(MaxAbsDiff((*remote)[0].out, std::vector<double>(out.begin(), out.end())),
-            BackendTolerance());
+  const auto diff = LocalVsServerLayer1(*ts.client, **local, "f", layout, 5);
+  ASSERT_TRUE(diff.ok()) << diff.status();
+  EXPECT_LT(*diff, BackendTolerance());
 }
 
 TEST(Calibration, CorruptFileContentIsInvalidArgument) {

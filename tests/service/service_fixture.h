@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "client/kv_client.h"
+#include "client/local_attention.h"
 #include "gmock/gmock.h"
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -22,6 +23,7 @@
 #include "kernels/page_format.h"
 #include "kernels/quantize.h"
 #include "kernels/reference.h"
+#include "kernels/status_macros.h"
 #include "prometheus/registry.h"
 #include "server/calibration_reader.h"
 #include "server/oscarkv_server.h"
@@ -261,6 +263,20 @@ inline double MaxAbsDiff(const std::vector<float>& a, const std::vector<double>&
   double m = 0;
   for (size_t i = 0; i < a.size() && i < b.size(); ++i) m = std::max(m, std::abs(a[i] - b[i]));
   return m;
+}
+
+// The largest |difference| between the server's Attend output for layer 1 of
+// sequence `id` and `local`'s, for one random query of `seed`.
+inline absl::StatusOr<double> LocalVsServerLayer1(KvClient& client, LocalAttention& local,
+                                                  const std::string& id,
+                                                  const ModelLayout& layout, uint64_t seed) {
+  const std::vector<float> q = RandomQuery(layout, seed);
+  auto remote = client.Attend({AttendQuery{id, 1, q.data()}}, layout, false);
+  if (!remote.ok()) return remote.status();
+  if (!(*remote)[0].status.ok()) return (*remote)[0].status;
+  std::vector<float> out(q.size());
+  OSCARKV_RETURN_IF_ERROR(local.Attend(1, q.data(), out.data(), nullptr));
+  return MaxAbsDiff((*remote)[0].out, std::vector<double>(out.begin(), out.end()));
 }
 
 }  // namespace oscarkv::testing

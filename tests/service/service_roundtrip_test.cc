@@ -141,13 +141,9 @@ TEST(Service, LocalAttentionRebuildsHadamardOnlyForItsRotationId) {
                "rotation_id '0123456789abcdef' is not the default Hadamard rotation");
   auto local = LocalAttention::Create(std::move(*fetched), 1);
   ASSERT_TRUE(local.ok()) << local.status();
-  const std::vector<float> q = RandomQuery(layout, 11);
-  auto remote = ts.client->Attend({AttendQuery{"h", 1, q.data()}}, layout, false);
-  ASSERT_TRUE(remote.ok() && (*remote)[0].status.ok());
-  std::vector<float> out(q.size());
-  ASSERT_TRUE((*local)->Attend(1, q.data(), out.data(), nullptr).ok());
-  EXPECT_THAT(MaxAbsDiff((*remote)[0].out, std::vector<double>(out.begin(), out.end())),
-              Le(BackendTolerance()));
+  const auto diff = LocalVsServerLayer1(*ts.client, **local, "h", layout, 11);
+  ASSERT_TRUE(diff.ok()) << diff.status();
+  EXPECT_THAT(*diff, Le(BackendTolerance()));
 
   // The Hadamard default of a server with other clip ratios: its own id.
   ServerOptions options = TinyServerOptions();
