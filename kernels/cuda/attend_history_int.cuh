@@ -230,25 +230,16 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       pb[0][tau] = Prmt(TransposeM8N8(w[0]), TransposeM8N8(w[1]), 0x6420u);
       pb[1][tau] = Prmt(TransposeM8N8(wlo[0]), TransposeM8N8(wlo[1]), 0x6420u);
     }
-    uint32_t t[2][4];
-    VCodeBytes(x, t);
-#pragma unroll
-    for (int k = 0; k < 4; ++k)
-#pragma unroll
-      for (int bp = 0; bp < 2; ++bp) {
-        uint32_t a[4];
-        FieldFragment(t, k, bp, a);
-        int acc[4], acc_lo[4];
-        ImmaU8U8(acc, a[0], a[1], a[2], a[3], pb[0][0], pb[0][1]);
-        ImmaU8U8(acc_lo, a[0], a[1], a[2], a[3], pb[1][0], pb[1][1]);
-        // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
-        const float hi0 = fmaf(static_cast<float>(acc[0] * 256 + acc[1]), 256.0f,
-                               static_cast<float>(acc_lo[0]));
-        const float hi1 = fmaf(static_cast<float>(acc[2] * 256 + acc[3]), 256.0f,
-                               static_cast<float>(acc_lo[2]));
-        o[k][bp][0] = fmaf(scl, hi0, o[k][bp][0]);
-        o[k][bp][1] = fmaf(scl, hi1, o[k][bp][1]);
-      }
+    AddCodeProducts(x, scl, [&](const uint32_t(&a)[4]) {
+      int acc[4], acc_lo[4];
+      ImmaU8U8(acc, a[0], a[1], a[2], a[3], pb[0][0], pb[0][1]);
+      ImmaU8U8(acc_lo, a[0], a[1], a[2], a[3], pb[1][0], pb[1][1]);
+      // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
+      return make_float2(fmaf(static_cast<float>(acc[0] * 256 + acc[1]), 256.0f,
+                              static_cast<float>(acc_lo[0])),
+                         fmaf(static_cast<float>(acc[2] * 256 + acc[3]), 256.0f,
+                              static_cast<float>(acc_lo[2])));
+    });
   }
 
   // Accumulate with 16-bit P' of the chunk's exact max (kDigits == 2).
@@ -287,6 +278,20 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       }
       pb[tau] = Prmt(TransposeM8N8(w[0]), TransposeM8N8(w[1]), 0x6420u);
     }
+    AddCodeProducts(x, scl, [&](const uint32_t(&a)[4]) {
+      int acc[4];
+      ImmaU8U8(acc, a[0], a[1], a[2], a[3], pb[0], pb[1]);
+      // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
+      return make_float2(static_cast<float>(acc[0] * 256 + acc[1]),
+                         static_cast<float>(acc[2] * 256 + acc[3]));
+    });
+  }
+
+  // O' += scl · (P' · V codes) for the chunk: the V codes' A fragment of each
+  // code field and byte pair goes to `products`, which runs the P·V MMAs and
+  // returns the two rows' sums (r, r + 8) in units of scl.
+  template <class Products>
+  __device__ __forceinline__ void AddCodeProducts(const Regs& x, float scl, Products products) {
     uint32_t t[2][4];
     VCodeBytes(x, t);
 #pragma unroll
@@ -295,11 +300,9 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       for (int bp = 0; bp < 2; ++bp) {
         uint32_t a[4];
         FieldFragment(t, k, bp, a);
-        int acc[4];
-        ImmaU8U8(acc, a[0], a[1], a[2], a[3], pb[0], pb[1]);
-        // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
-        o[k][bp][0] = fmaf(scl, static_cast<float>(acc[0] * 256 + acc[1]), o[k][bp][0]);
-        o[k][bp][1] = fmaf(scl, static_cast<float>(acc[2] * 256 + acc[3]), o[k][bp][1]);
+        const float2 sum = products(a);
+        o[k][bp][0] = fmaf(scl, sum.x, o[k][bp][0]);
+        o[k][bp][1] = fmaf(scl, sum.y, o[k][bp][1]);
       }
   }
 
