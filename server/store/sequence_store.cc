@@ -505,16 +505,20 @@ StoreStats SequenceStore::Stats() const {
   return st;
 }
 
-int64_t SequenceStore::CountSequences(const std::string& model) const {
-  std::lock_guard<std::mutex> lock(mu_);
+int64_t SequenceStore::CountSequencesLocked(const std::string& model) const {
   int64_t n = 0;
   for (const auto& [id, s] : sequences_) n += s->model().name == model;
   return n;
 }
 
+int64_t SequenceStore::CountSequences(const std::string& model) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return CountSequencesLocked(model);
+}
+
 absl::Status SequenceStore::CheckModelUnusedLocked(const std::string& model) const {
-  int64_t stored = 0, ingesting = 0;
-  for (const auto& [id, s] : sequences_) stored += s->model().name == model;
+  const int64_t stored = CountSequencesLocked(model);
+  int64_t ingesting = 0;
   for (const auto& [id, m] : ingesting_) ingesting += m == model;
   if (stored == 0 && ingesting == 0) return absl::OkStatus();
   return absl::FailedPreconditionError(absl::StrCat(

@@ -261,6 +261,7 @@ class SequenceStore {
   SequenceStats StatLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu_);
   TierTotals TotalsLocked(Sequence& seq) ABSL_EXCLUSIVE_LOCKS_REQUIRED(seq.mu_);
   void AddCommitted(const TierTotals& delta, int sign);
+  int64_t CountSequencesLocked(const std::string& model) const ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   absl::Status CheckModelUnusedLocked(const std::string& model) const
       ABSL_EXCLUSIVE_LOCKS_REQUIRED(mu_);
   // Backend buffers for decode scratch (ReadBf16), reused across calls.
