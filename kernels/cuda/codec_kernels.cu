@@ -527,23 +527,27 @@ absl::Status LaunchEncodeTiled(const PageGeometry& geom, const EncodeJob* jobs, 
   return CudaStatus(cudaGetLastError(), "EncodeKernel launch");
 }
 
-template <int D, int G>
+// The strip kernel (roles = false) or its warp-specialized twin (true): one
+// wave of blocks, each walking a contiguous range of (kind, head, tile) items.
+template <int D, int G, bool kRoles>
 absl::Status LaunchEncodeStrips(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
                                 cudaStream_t stream) {
   using S = encode_strips::Shape<D>;
-  const auto kernel = encode_strips::EncodeStripsKernel<D, G>;
+  const auto kernel = kRoles ? encode_strips::EncodeRolesKernel<D, G>
+                             : encode_strips::EncodeStripsKernel<D, G>;
+  const int threads = kRoles ? encode_strips::roles::kThreads : encode_strips::kThreads;
+  const size_t smem = kRoles ? encode_strips::roles::Smem<D>::kBytes : S::kSmem;
   static PerDevice wave{};
-  OSCARKV_ASSIGN_OR_RETURN(const int resident,
-                           ResidentBlocks(kernel, encode_strips::kThreads, S::kSmem, wave));
+  OSCARKV_ASSIGN_OR_RETURN(const int resident, ResidentBlocks(kernel, threads, smem, wave));
   const long rows = static_cast<long>(num_jobs) * geom.page_tokens;
   if (rows > (1L << 30)) return absl::InvalidArgumentError("too many encode jobs for one launch");
   const long tiles = (rows + S::M - 1) / S::M;
   const long items = tiles * 2 * geom.kv_heads;
-  // One wave: each block walks a contiguous range of (kind, head, tile) items.
   const long blocks = std::min<long>(items, resident);
-  kernel<<<static_cast<unsigned>(blocks), encode_strips::kThreads, S::kSmem, stream>>>(
+  kernel<<<static_cast<unsigned>(blocks), threads, smem, stream>>>(
       geom, jobs, num_jobs, static_cast<int>(tiles), items);
-  return CudaStatus(cudaGetLastError(), "EncodeStripsKernel launch");
+  return CudaStatus(cudaGetLastError(),
+                    kRoles ? "EncodeRolesKernel launch" : "EncodeStripsKernel launch");
 }
 
 // The encode launch for head dim D and group size G (compile-time both).
@@ -551,7 +555,13 @@ template <int D, int G>
 absl::Status LaunchEncodeDG(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
                             cudaStream_t stream, EncodeKernelChoice choice) {
   if constexpr (D <= 128) {
-    if (choice == EncodeKernelChoice::kAuto) return LaunchEncodeStrips<D, G>(geom, jobs, num_jobs, stream);
+    // kAuto: the roles kernel where it was measured faster (D 128, H200).
+    const bool roles = choice == EncodeKernelChoice::kRoles ||
+                       (choice == EncodeKernelChoice::kAuto && D == 128);
+    if (roles) return LaunchEncodeStrips<D, G, true>(geom, jobs, num_jobs, stream);
+    if (choice != EncodeKernelChoice::kTiled) {
+      return LaunchEncodeStrips<D, G, false>(geom, jobs, num_jobs, stream);
+    }
   }
   return LaunchEncodeTiled<D, G>(geom, jobs, num_jobs, stream);
 }

@@ -15,11 +15,14 @@
 
 namespace oscarkv {
 
-// Which encode kernel runs. kAuto: for head dims 64 and 128 the strip kernel
-// (each warp keeps its strip of R in registers, encode_strips.cuh), else the
-// tiled kernel (R staged in shared memory per tile). kTiled forces the tiled
-// kernel for every head dim: the side-by-side benchmark's baseline.
-enum class EncodeKernelChoice { kAuto, kTiled };
+// Which encode kernel runs. kAuto: for head dim 128 the roles kernel (the
+// strip kernel's work split between multiplying and quantizing warps), for 64
+// the strip kernel (each warp keeps its strip of R in registers and does both;
+// encode_strips.cuh), else the tiled kernel (R staged in shared memory per
+// tile). kStrips / kRoles force the strip kernel / the roles kernel (the same
+// pages) for head dims 64 and 128; kTiled forces the tiled kernel for every
+// head dim: the side-by-side benchmark's baseline.
+enum class EncodeKernelChoice { kAuto, kStrips, kRoles, kTiled };
 
 // Rotate (x · R on the tensor cores, with R split into two fp16 terms (strip
 // kernel) or three bf16 terms (tiled kernel) so that the product keeps fp32

@@ -21,6 +21,8 @@
 #ifndef OSCARKV_KERNELS_CUDA_ENCODE_STRIPS_CUH_
 #define OSCARKV_KERNELS_CUDA_ENCODE_STRIPS_CUH_
 
+#include "kernels/cuda/mbarrier.cuh"
+
 namespace oscarkv {
 namespace encode_strips {
 
@@ -133,34 +135,22 @@ __device__ __forceinline__ int RowScaleExponent(uint32_t amax) {
   return e == 0 ? 126 : min(141 - e, 126);
 }
 
-// Registers capped at 128 so that two blocks share an SM: while one block
-// multiplies, the other clips and quantizes (measured on the H200: 817 µs
-// against 1155 µs at one block per SM with 255 registers and no spills, for
-// the 2048-page benchmark; the cap spills ~190 bytes per thread, mostly around
-// the strip reload, which runs only when the rotation changes).
-template <int D, int G>
-__global__ void __launch_bounds__(kThreads, 2)
-    EncodeStripsKernel(PageGeometry geom, const EncodeJob* __restrict__ jobs, int num_jobs,
-                       int tiles_per_kh, long total_items) {
+// The steps of one tile that both kernels below run: row metadata, the x
+// fetch, the fp16 conversion and the multiply take the 256 threads (8 warps)
+// of the multiplying warps, the clip-quantize-pack takes any number of warps.
+template <int D>
+struct TileSteps {
   using S = Shape<D>;
-  extern __shared__ __align__(128) unsigned char smem[];
-  // x tile n at xs(n % 2) (bf16, then fp16 in place); y of the current tile at ys.
-  const auto xs = [&](int b) { return reinterpret_cast<uint16_t*>(smem + b * S::kXBytes); };
-  float* ys = reinterpret_cast<float*>(smem + 2 * S::kXBytes);
-  __shared__ Row rows[3][S::M];  // tile i uses rows[i % 3]: filled while i - 1 runs, after i - 2 is done
-  __shared__ float row_unscale[S::M];  // 2^-s of each row of the current tile
+  PageGeometry geom;
+  const EncodeJob* jobs;
+  int tiles_per_kh;
+  int total_rows;  // num_jobs · page_tokens < 2^31: checked by the launcher
 
-  const int tid = threadIdx.x, warp = WarpIndex(), lane = tid & 31;
-  const int P = geom.page_tokens;
-  const size_t row_elems = geom.exact_row_elems();
-  const int total_rows = num_jobs * P;  // < 2^31: checked by the launcher
-  const long first = total_items * blockIdx.x / gridDim.x;
-  const long last = total_items * (blockIdx.x + 1) / gridDim.x;
-  if (first >= last) return;
-
-  // Row metadata of work item `item` into rows[rb] (threads < M, one row each).
-  auto fill_rows = [&](long item, int rb) {
+  // Row metadata of work item `item` into rows (threads < M, one row each).
+  __device__ __forceinline__ void FillRows(long item, Row* rows, int tid) const {
     if (tid >= S::M) return;
+    const int P = geom.page_tokens;
+    const size_t row_elems = geom.exact_row_elems();
     const int kh = static_cast<int>(item / tiles_per_kh);
     const int tile = static_cast<int>(item % tiles_per_kh);
     const int h = kh >> 1, kind = kh & 1;
@@ -176,14 +166,15 @@ __global__ void __launch_bounds__(kThreads, 2)
                   size_t(t) * geom.groups();
       er.top = ClipTopRank(kind == 0 ? job.clip_k : job.clip_v, D);
     }
-    rows[rb][tid] = er;
-  };
-  // x rows of rows[rb] into xs(b) (cp.async; rows past the end are zeroed).
-  auto fetch_x = [&](int b, int rb) {
+    rows[tid] = er;
+  }
+
+  // x rows of `rows` into xb (cp.async; rows past the end are zeroed).
+  static __device__ __forceinline__ void FetchX(uint16_t* xb, const Row* rows, int tid) {
     for (int idx = tid; idx < S::M * S::kChunks; idx += kThreads) {
       const int i = idx / S::kChunks, c = idx % S::kChunks;
-      uint16_t* dst = xs(b) + i * S::LDX + 8 * c;
-      const bf16_bits* src = rows[rb][i].src;
+      uint16_t* dst = xb + i * S::LDX + 8 * c;
+      const bf16_bits* src = rows[i].src;
       if (src == nullptr) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
       } else if ((reinterpret_cast<uintptr_t>(src) & 15) == 0) {
@@ -193,13 +184,14 @@ __global__ void __launch_bounds__(kThreads, 2)
         CpAsync8(dst + 4, src + 8 * c + 4);
       }
     }
-  };
-  // Scales each row of xs(b) by 2^s (four threads per row) and converts it to
+  }
+
+  // Scales each row of xb by 2^s (four threads per row) and converts it to
   // fp16 in place; row_unscale[row] = 2^-s.
-  auto to_scaled_fp16 = [&](int b) {
+  static __device__ __forceinline__ void ToScaledFp16(uint16_t* xb, float* row_unscale, int tid) {
     constexpr int kPieces = D / 32;  // 16-byte pieces per thread
     const int i = tid >> 2, quarter = tid & 3;
-    uint4* base = reinterpret_cast<uint4*>(xs(b) + i * S::LDX + quarter * (D / 4));
+    uint4* base = reinterpret_cast<uint4*>(xb + i * S::LDX + quarter * (D / 4));
     uint4 v[kPieces];
     uint32_t amax = 0;
 #pragma unroll
@@ -226,15 +218,139 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
       base[p] = make_uint4(w[0], w[1], w[2], w[3]);
     }
-  };
+  }
+
+  // y strip of m16 tile mt (warp `warp` of 8: columns [warp·D/8, (warp+1)·D/8)),
+  // rows in `match` (bit i: row 16 mt + i) stored.
+  static __device__ __forceinline__ void MultiplyM16(const uint16_t* xb, const float* row_unscale,
+                                                     float* ys, const RStrip<D>& strip, int warp,
+                                                     int lane, int mt, unsigned match) {
+    const int col0 = warp * S::NS;
+    const int g = lane >> 2, t = lane & 3;
+    float acc_hi[S::NT][4], acc_lo[S::NT][4];
+#pragma unroll
+    for (int nt = 0; nt < S::NT; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_hi[nt][e] = acc_lo[nt][e] = 0.0f;
+    const uint16_t* arow = xb + (16 * mt + (lane & 15)) * S::LDX + (lane >> 4) * 8;
+#pragma unroll
+    for (int ks = 0; ks < S::KS; ++ks) {
+      uint32_t a[4];
+      LdMatrixX4(a, arow + 16 * ks);
+#pragma unroll
+      for (int nt = 0; nt < S::NT; ++nt) {
+        MmaF16(acc_lo[nt], a, strip.lo[ks][nt][0], strip.lo[ks][nt][1]);
+        MmaF16(acc_hi[nt], a, strip.hi[ks][nt][0], strip.hi[ks][nt][1]);
+      }
+    }
+    // Rows g (e = 0, 1) and g + 8 (e = 2, 3), columns 2t, 2t + 1 of each n8 tile.
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int i = g + 8 * half;
+      if ((match >> i) & 1u) {
+        const float unscale = row_unscale[16 * mt + i];
+        float* yrow = ys + (16 * mt + i) * S::LDY + col0 + 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < S::NT; ++nt) {
+          float2 v;
+          v.x = fmaf(acc_lo[nt][2 * half], kLoUnscale, acc_hi[nt][2 * half]) * unscale;
+          v.y = fmaf(acc_lo[nt][2 * half + 1], kLoUnscale, acc_hi[nt][2 * half + 1]) * unscale;
+          *reinterpret_cast<float2*>(yrow + 8 * nt) = v;
+        }
+      }
+    }
+  }
+
+  // The tile's y = x · R, warp `warp` of 8 storing its strip of columns.
+  static __device__ __forceinline__ void Multiply(const uint16_t* xb, const Row* trows,
+                                                  const float* row_unscale, float* ys,
+                                                  RStrip<D>& strip, int warp, int lane) {
+    const int col0 = warp * S::NS;
+    // The usual case: every row of the tile has the rotation of row 0 (always a
+    // real row). Rows past the end get y too; nothing reads it.
+    const float* r0 = trows[0].rot;
+    bool same = true;
+    for (int i = lane; i < S::M; i += 32) same = same && (trows[i].src == nullptr || trows[i].rot == r0);
+    if (__all_sync(0xffffffffu, same)) {
+      if (strip.loaded != r0) strip.Load(r0, col0, lane);
+#pragma unroll 1
+      for (int mt = 0; mt < S::MT; ++mt) MultiplyM16(xb, row_unscale, ys, strip, warp, lane, mt, 0xffffu);
+      return;
+    }
+    // One pass per distinct rotation among the rows of each m16 tile.
+#pragma unroll 1
+    for (int mt = 0; mt < S::MT; ++mt) {
+      const Row* mrows = trows + 16 * mt;
+      const float* my_rot = (lane < 16 && mrows[lane].src != nullptr) ? mrows[lane].rot : nullptr;
+      unsigned pending = __ballot_sync(0xffffffffu, my_rot != nullptr);
+      while (pending != 0) {
+        const int src_lane = __ffs(pending) - 1;
+        const float* r = reinterpret_cast<const float*>(
+            __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_rot), src_lane));
+        const unsigned match = __ballot_sync(0xffffffffu, my_rot == r && my_rot != nullptr);
+        if (strip.loaded != r) strip.Load(r, col0, lane);
+        MultiplyM16(xb, row_unscale, ys, strip, warp, lane, mt, match);
+        pending &= ~match;
+      }
+    }
+  }
+
+  // Clip, quantize, pack the tile's rows: warp `qwarp` of `nq` takes rows
+  // qwarp, qwarp + nq, ..., R at a time.
+  template <int G, int R = kRowsPerPass>
+  static __device__ __forceinline__ void Quantize(const Row* trows, const float* ys, int qwarp,
+                                                  int nq, int lane) {
+#pragma unroll 1
+    for (int i0 = qwarp; i0 < S::M; i0 += nq * R) {
+      const float* yr[R];
+      int top[R];
+      float tau[R];
+      bool use[R];
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        const int i = i0 + k * nq;
+        use[k] = i < S::M && trows[i].src != nullptr;
+        yr[k] = ys + (i < S::M ? i : 0) * S::LDY;
+        top[k] = use[k] ? trows[i].top : 0;
+      }
+      ClipThresholdsWarp<D, R>(yr, top, tau, lane);
+#pragma unroll
+      for (int k = 0; k < R; ++k) {
+        if (!use[k]) continue;
+        const Row& er = trows[i0 + k * nq];
+        QuantizeRowWarp<D, G>(yr[k], tau[k], er.codes, er.params, lane);
+      }
+    }
+  }
+};
+
+// Registers capped at 128 so that two blocks share an SM: while one block
+// multiplies, the other clips and quantizes (measured on the H200: 817 µs
+// against 1155 µs at one block per SM with 255 registers and no spills, for
+// the 2048-page benchmark; the cap spills ~190 bytes per thread, mostly around
+// the strip reload, which runs only when the rotation changes).
+template <int D, int G>
+__global__ void __launch_bounds__(kThreads, 2)
+    EncodeStripsKernel(PageGeometry geom, const EncodeJob* __restrict__ jobs, int num_jobs,
+                       int tiles_per_kh, long total_items) {
+  using S = Shape<D>;
+  extern __shared__ __align__(128) unsigned char smem[];
+  // x tile n at xs(n % 2) (bf16, then fp16 in place); y of the current tile at ys.
+  const auto xs = [&](int b) { return reinterpret_cast<uint16_t*>(smem + b * S::kXBytes); };
+  float* ys = reinterpret_cast<float*>(smem + 2 * S::kXBytes);
+  __shared__ Row rows[3][S::M];  // tile i uses rows[i % 3]: filled while i - 1 runs, after i - 2 is done
+  __shared__ float row_unscale[S::M];  // 2^-s of each row of the current tile
+
+  const int tid = threadIdx.x, warp = WarpIndex(), lane = tid & 31;
+  const TileSteps<D> steps{geom, jobs, tiles_per_kh, num_jobs * geom.page_tokens};
+  const long first = total_items * blockIdx.x / gridDim.x;
+  const long last = total_items * (blockIdx.x + 1) / gridDim.x;
+  if (first >= last) return;
 
   RStrip<D> strip;
-  const int col0 = warp * S::NS;
-  const int g = lane >> 2, t = lane & 3;
-
-  fill_rows(first, 0);
+  steps.FillRows(first, rows[0], tid);
   __syncthreads();
-  fetch_x(0, 0);
+  steps.FetchX(xs(0), rows[0], tid);
   CpAsyncCommit();
 
   // Tile n (= item - first) uses xs(n % 2) and rows[n % 3].
@@ -242,103 +358,120 @@ __global__ void __launch_bounds__(kThreads, 2)
   for (long item = first; item < last; ++item, b ^= 1, rb = rb == 2 ? 0 : rb + 1) {
     const bool has_next = item + 1 < last;
     const int rn = rb == 2 ? 0 : rb + 1;
-    if (has_next) fill_rows(item + 1, rn);  // rows[rn] last served tile n - 2
+    if (has_next) steps.FillRows(item + 1, rows[rn], tid);  // rows[rn] last served tile n - 2
     __syncthreads();  // rows[rn] written; xs(b ^ 1), ys, row_unscale free (tile n - 1 done)
-    if (has_next) fetch_x(b ^ 1, rn);
+    if (has_next) steps.FetchX(xs(b ^ 1), rows[rn], tid);
     CpAsyncCommit();
     CpAsyncWaitAllButNewest();
     __syncthreads();  // xs(b) complete for every thread
-    to_scaled_fp16(b);
+    steps.ToScaledFp16(xs(b), row_unscale, tid);
     __syncthreads();
-
-    // y strip of m16 tile mt, rows in `match` (bit i: row 16 mt + i) stored.
-    const uint16_t* xb = xs(b);
-    auto multiply = [&](int mt, unsigned match) {
-      float acc_hi[S::NT][4], acc_lo[S::NT][4];
-#pragma unroll
-      for (int nt = 0; nt < S::NT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_hi[nt][e] = acc_lo[nt][e] = 0.0f;
-      const uint16_t* arow = xb + (16 * mt + (lane & 15)) * S::LDX + (lane >> 4) * 8;
-#pragma unroll
-      for (int ks = 0; ks < S::KS; ++ks) {
-        uint32_t a[4];
-        LdMatrixX4(a, arow + 16 * ks);
-#pragma unroll
-        for (int nt = 0; nt < S::NT; ++nt) {
-          MmaF16(acc_lo[nt], a, strip.lo[ks][nt][0], strip.lo[ks][nt][1]);
-          MmaF16(acc_hi[nt], a, strip.hi[ks][nt][0], strip.hi[ks][nt][1]);
-        }
-      }
-      // Rows g (e = 0, 1) and g + 8 (e = 2, 3), columns 2t, 2t + 1 of each n8 tile.
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int i = g + 8 * half;
-        if ((match >> i) & 1u) {
-          const float unscale = row_unscale[16 * mt + i];
-          float* yrow = ys + (16 * mt + i) * S::LDY + col0 + 2 * t;
-#pragma unroll
-          for (int nt = 0; nt < S::NT; ++nt) {
-            float2 v;
-            v.x = fmaf(acc_lo[nt][2 * half], kLoUnscale, acc_hi[nt][2 * half]) * unscale;
-            v.y = fmaf(acc_lo[nt][2 * half + 1], kLoUnscale, acc_hi[nt][2 * half + 1]) * unscale;
-            *reinterpret_cast<float2*>(yrow + 8 * nt) = v;
-          }
-        }
-      }
-    };
-    // The usual case: every row of the tile has the rotation of row 0 (always a
-    // real row). Rows past the end get y too; nothing reads it.
-    const Row* trows = rows[rb];
-    const float* r0 = trows[0].rot;
-    bool same = true;
-    for (int i = lane; i < S::M; i += 32) same = same && (trows[i].src == nullptr || trows[i].rot == r0);
-    if (__all_sync(0xffffffffu, same)) {
-      if (strip.loaded != r0) strip.Load(r0, col0, lane);
-#pragma unroll 1
-      for (int mt = 0; mt < S::MT; ++mt) multiply(mt, 0xffffu);
-    } else {
-      // One pass per distinct rotation among the rows of each m16 tile.
-#pragma unroll 1
-      for (int mt = 0; mt < S::MT; ++mt) {
-        const Row* mrows = trows + 16 * mt;
-        const float* my_rot = (lane < 16 && mrows[lane].src != nullptr) ? mrows[lane].rot : nullptr;
-        unsigned pending = __ballot_sync(0xffffffffu, my_rot != nullptr);
-        while (pending != 0) {
-          const int src_lane = __ffs(pending) - 1;
-          const float* r = reinterpret_cast<const float*>(
-              __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_rot), src_lane));
-          const unsigned match = __ballot_sync(0xffffffffu, my_rot == r && my_rot != nullptr);
-          if (strip.loaded != r) strip.Load(r, col0, lane);
-          multiply(mt, match);
-          pending &= ~match;
-        }
-      }
-    }
+    steps.Multiply(xs(b), rows[rb], row_unscale, ys, strip, warp, lane);
     __syncthreads();  // ys complete
+    steps.template Quantize<G>(rows[rb], ys, warp, kWarps, lane);
+  }
+}
 
-    // Clip, quantize, pack: warp w takes rows w, w + 8, ... kRowsPerPass at a time.
-#pragma unroll 1
-    for (int i0 = warp; i0 < S::M; i0 += kWarps * kRowsPerPass) {
-      const float* yr[kRowsPerPass];
-      int top[kRowsPerPass];
-      float tau[kRowsPerPass];
-      bool use[kRowsPerPass];
-#pragma unroll
-      for (int k = 0; k < kRowsPerPass; ++k) {
-        const int i = i0 + k * kWarps;
-        use[k] = i < S::M && rows[rb][i].src != nullptr;
-        yr[k] = ys + (i < S::M ? i : 0) * S::LDY;
-        top[k] = use[k] ? rows[rb][i].top : 0;
-      }
-      ClipThresholdsWarp<D, kRowsPerPass>(yr, top, tau, lane);
-#pragma unroll
-      for (int k = 0; k < kRowsPerPass; ++k) {
-        if (!use[k]) continue;
-        const Row& er = rows[rb][i0 + k * kWarps];
-        QuantizeRowWarp<D, G>(yr[k], tau[k], er.codes, er.params, lane);
-      }
+// A named barrier among `count` threads (whole warps) of the block.
+__device__ __forceinline__ void NamedBarrierSync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+// The same work with the warps split by role (warp specialization): warps
+// 0-7 fetch, convert and multiply tile n into y buffer n % 2 while 16
+// quantizing warps clip, quantize and pack tile n - 1 from the other buffer.
+// One block per SM, a register cap of 65536 / threads (80): the
+// multiplying warps hold their strip of R (64 registers at D 128) and
+// nothing of the quantize, the quantizing warps no R. The roles meet on two
+// mbarriers per y buffer b: y_full[b] (every multiplying thread arrives once
+// its part of a tile's y is stored) and y_free[b] (every quantizing thread
+// arrives once it is done with it). Every thread arrives itself, so that
+// each arrive releases that thread's own accesses (racecheck clean; one
+// arrive per warp after a __syncwarp measured the same speed, but racecheck
+// cannot follow it, nor named barriers with bar.arrive).
+// The quantize is the limit: with 8, 12, 16 quantizing warps the 2048-page
+// benchmark took 826, 716, 624 µs, against 691 µs for the strip kernel
+// (H200, 2026-11-30, tests/bench/RESULTS.md run 16; 16 warps spill ~240
+// bytes per thread at the 80-register cap, fewer warps barely). The math is the
+// strip kernel's, step for step, so the pages are byte-identical.
+namespace roles {
+constexpr int kQuantWarps = 16;
+constexpr int kThreads = encode_strips::kThreads + kQuantWarps * 32;
+constexpr int kMultiplyBarrier = 1;  // named barrier of the 256 multiplying threads
+constexpr int kRowSlots = 4;  // tile n's rows: filled during n - 1, read by the quantizers until n + 2 starts
+
+template <int D>
+struct Smem {
+  using S = Shape<D>;
+  static constexpr size_t kYOffset = 2 * S::kXBytes;
+  static constexpr size_t kBytes = kYOffset + 2 * S::kYBytes;
+};
+}  // namespace roles
+
+template <int D, int G>
+__global__ void __launch_bounds__(roles::kThreads, 1)
+    EncodeRolesKernel(PageGeometry geom, const EncodeJob* __restrict__ jobs, int num_jobs,
+                      int tiles_per_kh, long total_items) {
+  using S = Shape<D>;
+  using roles::kRowSlots;
+  extern __shared__ __align__(128) unsigned char smem[];
+  const auto xs = [&](int b) { return reinterpret_cast<uint16_t*>(smem + b * S::kXBytes); };
+  const auto ys = [&](int b) {
+    return reinterpret_cast<float*>(smem + roles::Smem<D>::kYOffset + b * S::kYBytes);
+  };
+  __shared__ Row rows[kRowSlots][S::M];
+  __shared__ float row_unscale[S::M];  // written and read by the multiplying warps only
+  __shared__ __align__(8) uint64_t y_full[2], y_free[2];
+
+  const int tid = threadIdx.x, warp = WarpIndex(), lane = tid & 31;
+  const long first = total_items * blockIdx.x / gridDim.x;
+  const long last = total_items * (blockIdx.x + 1) / gridDim.x;
+  if (first >= last) return;
+  const int tiles = static_cast<int>(last - first);
+  if (tid == 0) {
+    for (int b = 0; b < 2; ++b) {
+      BarrierInit(&y_full[b], kThreads);
+      BarrierInit(&y_free[b], roles::kQuantWarps * 32);
     }
+  }
+  __syncthreads();
+
+  // Tile n is buffer n % 2's use number n / 2: the barriers' phase parity.
+  if (warp >= kWarps) {  // quantizing warps
+    const int qwarp = warp - kWarps;
+#pragma unroll 1
+    for (int n = 0; n < tiles; ++n) {
+      BarrierWait(&y_full[n & 1], (n >> 1) & 1);
+      TileSteps<D>::template Quantize<G>(rows[n % kRowSlots], ys(n & 1), qwarp, roles::kQuantWarps,
+                                         lane);
+      BarrierArrive(&y_free[n & 1]);
+    }
+    return;
+  }
+
+  // Multiplying warps.
+  const TileSteps<D> steps{geom, jobs, tiles_per_kh, num_jobs * geom.page_tokens};
+  RStrip<D> strip;
+  steps.FillRows(first, rows[0], tid);
+  NamedBarrierSync(roles::kMultiplyBarrier, kThreads);
+  steps.FetchX(xs(0), rows[0], tid);
+  CpAsyncCommit();
+#pragma unroll 1
+  for (int n = 0; n < tiles; ++n) {
+    const int b = n & 1;
+    // rows[(n + 1) % 4] last served tile n - 3, whose buffer the quantizers
+    // freed before tile n - 1's multiply.
+    if (n + 1 < tiles) steps.FillRows(first + n + 1, rows[(n + 1) % kRowSlots], tid);
+    NamedBarrierSync(roles::kMultiplyBarrier, kThreads);  // rows written; xs(b ^ 1) read by n - 1's multiply
+    if (n + 1 < tiles) steps.FetchX(xs(b ^ 1), rows[(n + 1) % kRowSlots], tid);
+    CpAsyncCommit();
+    CpAsyncWaitAllButNewest();
+    NamedBarrierSync(roles::kMultiplyBarrier, kThreads);  // xs(b) complete for every thread
+    steps.ToScaledFp16(xs(b), row_unscale, tid);
+    NamedBarrierSync(roles::kMultiplyBarrier, kThreads);
+    if (n >= 2) BarrierWait(&y_free[b], ((n >> 1) & 1) ^ 1);  // tile n - 2 quantized
+    steps.Multiply(xs(b), rows[n % kRowSlots], row_unscale, ys(b), strip, warp, lane);
+    BarrierArrive(&y_full[b]);
   }
 }
 

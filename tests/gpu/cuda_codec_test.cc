@@ -26,6 +26,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cpu/cpu_backend.h"
+#include "kernels/cuda/codec_kernels.h"
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/hadamard.h"
 #include "kernels/quantize.h"
@@ -80,20 +81,28 @@ int Fp16UlpDistance(uint16_t a, uint16_t b) {
   return std::abs(key(a) - key(b));
 }
 
-// Encodes `c.jobs` random blocks on both backends; returns the mismatch counts
-// and leaves the pages (CPU and GPU) for the decode checks.
-void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
-               std::vector<uint8_t>* cpu_pages_out, DeviceBuffer* gpu_pages_out,
-               std::vector<float>* rot_out, DeviceBuffer* rot_dev_out) {
+// One case's random blocks and rotations on both sides, and its jobs: the
+// CPU's into cpu_pages, the GPU's into pages_dev.
+struct EncodeInputs {
+  PageGeometry geom;
+  std::vector<bf16_bits> blocks;
+  std::vector<float> rot;
+  DeviceBuffer blocks_dev, rot_dev, pages_dev;
+  std::vector<uint8_t> cpu_pages;
+  std::vector<EncodeJob> cpu_jobs, gpu_jobs;
+};
+
+void MakeEncodeInputs(Backend& gpu, const CodecCase& c, uint64_t seed, EncodeInputs* in) {
   std::mt19937_64 rng(seed);
-  const PageGeometry geom{c.heads, c.dim, c.group, c.page_tokens};
-  const size_t block_elems = geom.exact_block_bytes() / 2;
-  const size_t page_bytes = geom.page_bytes();
-  std::vector<bf16_bits> blocks = RandomKvRows(block_elems * c.jobs / c.dim, c.dim, rng);
+  in->geom = PageGeometry{c.heads, c.dim, c.group, c.page_tokens};
+  const size_t block_elems = in->geom.exact_block_bytes() / 2;
+  const size_t page_bytes = in->geom.page_bytes();
+  in->blocks = RandomKvRows(block_elems * c.jobs / c.dim, c.dim, rng);
   // Two rotation sets (jobs alternate between them); per-head: one matrix per head.
   const int mats = c.per_head ? c.heads : 1;
   const size_t set_floats = size_t(mats) * c.dim * c.dim;
-  std::vector<float> rot(4 * set_floats);
+  std::vector<float>& rot = in->rot;
+  rot.assign(4 * set_floats, 0.0f);
   for (int s = 0; s < 4 * mats; ++s) {
     if (c.hadamard) {
       const std::vector<double> h = HadamardMatrix(c.dim);
@@ -105,36 +114,57 @@ void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
   }
   // Layout: set 0 K, set 0 V, set 1 K, set 1 V.
   std::vector<bf16_bits> shifted(c.src_shift, 0);
-  shifted.insert(shifted.end(), blocks.begin(), blocks.end());
+  shifted.insert(shifted.end(), in->blocks.begin(), in->blocks.end());
   auto blocks_dev = Upload(gpu, shifted);
   ASSERT_TRUE(blocks_dev.ok()) << blocks_dev.status();
   auto rot_dev = Upload(gpu, rot);
   ASSERT_TRUE(rot_dev.ok()) << rot_dev.status();
   auto pages_dev = gpu.Allocate(page_bytes * c.jobs);
   ASSERT_TRUE(pages_dev.ok());
-  std::vector<uint8_t> cpu_pages(page_bytes * c.jobs, 0);
+  in->blocks_dev = std::move(blocks_dev).value();
+  in->rot_dev = std::move(rot_dev).value();
+  in->pages_dev = std::move(pages_dev).value();
+  in->cpu_pages.assign(page_bytes * c.jobs, 0);
 
-  std::vector<EncodeJob> cpu_jobs(c.jobs), gpu_jobs(c.jobs);
+  in->cpu_jobs.resize(c.jobs);
+  in->gpu_jobs.resize(c.jobs);
   for (int j = 0; j < c.jobs; ++j) {
     const int set = j % 2;
     const size_t rk = 2 * set * set_floats, rv = (2 * set + 1) * set_floats;
     const size_t stride = c.per_head ? size_t(c.dim) * c.dim : 0;
-    cpu_jobs[j] = EncodeJob{blocks.data() + j * block_elems, cpu_pages.data() + j * page_bytes,
-                            RotationRef{rot.data() + rk, rot.data() + rv, stride}, c.clip_k,
-                            c.clip_v};
-    const float* rd = rot_dev->as<float>();
-    gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + c.src_shift + j * block_elems,
-                            pages_dev->as<uint8_t>() + j * page_bytes,
-                            RotationRef{rd + rk, rd + rv, stride}, c.clip_k, c.clip_v};
+    in->cpu_jobs[j] = EncodeJob{in->blocks.data() + j * block_elems,
+                                in->cpu_pages.data() + j * page_bytes,
+                                RotationRef{rot.data() + rk, rot.data() + rv, stride}, c.clip_k,
+                                c.clip_v};
+    const float* rd = in->rot_dev.as<float>();
+    in->gpu_jobs[j] = EncodeJob{in->blocks_dev.as<bf16_bits>() + c.src_shift + j * block_elems,
+                                in->pages_dev.as<uint8_t>() + j * page_bytes,
+                                RotationRef{rd + rk, rd + rv, stride}, c.clip_k, c.clip_v};
   }
+}
+
+// Encodes `c.jobs` random blocks on both backends; returns the mismatch counts
+// and leaves the pages (CPU and GPU) for the decode checks.
+void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
+               std::vector<uint8_t>* cpu_pages_out, DeviceBuffer* gpu_pages_out,
+               std::vector<float>* rot_out, DeviceBuffer* rot_dev_out) {
+  EncodeInputs in;
+  MakeEncodeInputs(gpu, c, seed, &in);
+  if (::testing::Test::HasFatalFailure()) return;
+  const PageGeometry& geom = in.geom;
+  const size_t page_bytes = geom.page_bytes();
+  std::vector<uint8_t>& cpu_pages = in.cpu_pages;
+  const DeviceBuffer& pages_dev = in.pages_dev;
+  const std::vector<EncodeJob>& cpu_jobs = in.cpu_jobs;
+  const std::vector<EncodeJob>& gpu_jobs = in.gpu_jobs;
   // Poison the GPU pages: every byte must be written.
   std::vector<uint8_t> poison(page_bytes * c.jobs, 0xA5);
-  ASSERT_TRUE(gpu.CopyToDevice(pages_dev->data(), poison.data(), poison.size()).ok());
+  ASSERT_TRUE(gpu.CopyToDevice(pages_dev.data(), poison.data(), poison.size()).ok());
 
   CpuBackend cpu(2);
   ASSERT_TRUE(cpu.EncodePages(geom, cpu_jobs.data(), c.jobs).ok());
   ASSERT_TRUE(gpu.EncodePages(geom, gpu_jobs.data(), c.jobs).ok());
-  auto got = Download<uint8_t>(gpu, pages_dev->data(), page_bytes * c.jobs);
+  auto got = Download<uint8_t>(gpu, pages_dev.data(), page_bytes * c.jobs);
   ASSERT_TRUE(got.ok());
 
   for (int j = 0; j < c.jobs; ++j) {
@@ -165,10 +195,10 @@ void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
       }
     }
   }
-  *cpu_pages_out = std::move(cpu_pages);
-  *gpu_pages_out = std::move(pages_dev).value();
-  *rot_out = std::move(rot);
-  *rot_dev_out = std::move(rot_dev).value();
+  *cpu_pages_out = std::move(in.cpu_pages);
+  *gpu_pages_out = std::move(in.pages_dev);
+  *rot_out = std::move(in.rot);
+  *rot_dev_out = std::move(in.rot_dev);
 }
 
 const CodecCase kCases[] = {
@@ -217,6 +247,40 @@ TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
               total.param_diffs, total.params, double(total.param_diffs) / total.params,
               total.max_param_ulp);
   RecordProperty("code_flip_fraction", std::to_string(double(total.code_flips) / total.codes));
+}
+
+// The warp-specialized encode kernel runs the strip kernel's math step for
+// step, so its pages must equal the strip kernel's byte for byte, on every
+// case with D <= 128 (tiles that mix rotations and jobs, odd page sizes,
+// 8-byte-aligned blocks, Hadamard ties). The two launches write over
+// different poisons, so a byte that either leaves unwritten shows too.
+TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytes) {
+  uint64_t seed = 100;
+  for (const CodecCase& c : kCases) {
+    if (c.dim > 128) continue;
+    SCOPED_TRACE(testing::Message() << "H=" << c.heads << " D=" << c.dim << " G=" << c.group
+                                    << " P=" << c.page_tokens << " clip=" << c.clip_k);
+    EncodeInputs in;
+    MakeEncodeInputs(*gpu_, c, seed++, &in);
+    ASSERT_FALSE(HasFatalFailure());
+    const size_t bytes = in.geom.page_bytes() * c.jobs;
+    auto jobs_dev = Upload(*gpu_, in.gpu_jobs);
+    ASSERT_TRUE(jobs_dev.ok()) << jobs_dev.status();
+    std::vector<std::vector<uint8_t>> pages;
+    for (const auto& [choice, poison] : {std::pair{EncodeKernelChoice::kStrips, 0xA5},
+                                         std::pair{EncodeKernelChoice::kRoles, 0x5A}}) {
+      const std::vector<uint8_t> fill(bytes, static_cast<uint8_t>(poison));
+      ASSERT_TRUE(gpu_->CopyToDevice(in.pages_dev.data(), fill.data(), bytes).ok());
+      ASSERT_TRUE(LaunchEncodePages(in.geom, jobs_dev->as<EncodeJob>(), c.jobs, nullptr, choice).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto got = Download<uint8_t>(*gpu_, in.pages_dev.data(), bytes);
+      ASSERT_TRUE(got.ok()) << got.status();
+      pages.push_back(std::move(got).value());
+    }
+    size_t differing = 0;
+    for (size_t i = 0; i < bytes; ++i) differing += pages[0][i] != pages[1][i];
+    EXPECT_EQ(differing, 0u) << "of " << bytes << " page bytes";
+  }
 }
 
 // Rows whose largest magnitudes repeat (small integers, identity rotation, so

@@ -227,28 +227,44 @@ int Main(int argc, char** argv) {
   CK(cudaMalloc(&jobs_dev, sizeof(EncodeJob) * kBlocks));
   CK(cudaMemcpy(jobs_dev, jobs.data(), sizeof(EncodeJob) * kBlocks, cudaMemcpyHostToDevice));
   // The tiled kernel (R staged in shared memory per tile) first, as the
-  // baseline; then the default (strip) kernel, whose pages the attention
-  // benchmark below uses. The two must agree on (almost) every code byte.
+  // baseline; then the strip kernel and its warp-specialized twin, which must
+  // write the same bytes; the default last, whose pages the attention
+  // benchmark below uses. Tiled and strip must agree on (almost) every byte.
   const double enc_bytes = double(kBlocks) * (geom.exact_block_bytes() + geom.page_bytes());
-  const double tiled_us = TimeEvents(stream, 2, 20, [&](int) {
-    CKS(LaunchEncodePages(geom, jobs_dev, kBlocks, stream, EncodeKernelChoice::kTiled));
-  });
-  std::vector<uint8_t> tiled_pages(size_t(kBlocks) * geom.page_bytes());
-  CK(cudaMemcpy(tiled_pages.data(), pool->data(), tiled_pages.size(), cudaMemcpyDeviceToHost));
-  const double enc_us = TimeEvents(stream, 2, 20, [&](int) {
-    CKS(LaunchEncodePages(geom, jobs_dev, kBlocks, stream));
-  });
-  std::vector<uint8_t> strip_pages(tiled_pages.size());
-  CK(cudaMemcpy(strip_pages.data(), pool->data(), strip_pages.size(), cudaMemcpyDeviceToHost));
-  size_t differing = 0;
-  for (size_t i = 0; i < strip_pages.size(); ++i) differing += strip_pages[i] != tiled_pages[i];
+  const auto time_encode = [&](EncodeKernelChoice choice, std::vector<uint8_t>* pages) {
+    const double us = TimeEvents(stream, 2, 20, [&](int) {
+      CKS(LaunchEncodePages(geom, jobs_dev, kBlocks, stream, choice));
+    });
+    pages->resize(size_t(kBlocks) * geom.page_bytes());
+    CK(cudaMemcpy(pages->data(), pool->data(), pages->size(), cudaMemcpyDeviceToHost));
+    return us;
+  };
+  const auto count_differing = [](const std::vector<uint8_t>& a, const std::vector<uint8_t>& b) {
+    size_t n = 0;
+    for (size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
+    return n;
+  };
+  std::vector<uint8_t> tiled_pages, strip_pages, roles_pages, default_pages;
+  const double tiled_us = time_encode(EncodeKernelChoice::kTiled, &tiled_pages);
+  const double strip_us = time_encode(EncodeKernelChoice::kStrips, &strip_pages);
+  const double roles_us = time_encode(EncodeKernelChoice::kRoles, &roles_pages);
+  const double enc_us = time_encode(EncodeKernelChoice::kAuto, &default_pages);
+  const size_t differing = count_differing(strip_pages, tiled_pages);
+  const size_t roles_differing = count_differing(roles_pages, strip_pages);
   const double enc_gbs = enc_bytes / enc_us / 1e3;
   const double tiled_gbs = enc_bytes / tiled_us / 1e3;
-  std::printf("encode, tiled kernel (baseline): %.1f us: %.0f GB/s = %.1f%% of copy\n", tiled_us,
-              tiled_gbs, 100.0 * tiled_gbs / copy_gbs);
-  std::printf("encode, strip kernel vs tiled: %.2fx; page bytes that differ: %zu of %zu (%.1e)\n",
-              tiled_us / enc_us, differing, strip_pages.size(),
-              double(differing) / strip_pages.size());
+  const auto print_kernel = [&](const char* name, double us) {
+    const double gbs = enc_bytes / us / 1e3;
+    std::printf("encode, %-22s %7.1f us: %4.0f GB/s = %4.1f%% of copy, %.2fx the tiled kernel\n",
+                name, us, gbs, 100.0 * gbs / copy_gbs, tiled_us / us);
+  };
+  print_kernel("tiled kernel (baseline)", tiled_us);
+  print_kernel("strip kernel", strip_us);
+  print_kernel("roles kernel", roles_us);
+  std::printf("encode, roles vs strip kernel: %.2fx\n", strip_us / roles_us);
+  std::printf("page bytes that differ: strip vs tiled %zu of %zu (%.1e); roles vs strip %zu\n",
+              differing, strip_pages.size(), double(differing) / strip_pages.size(),
+              roles_differing);
   // One demotion-sized call through the backend (job upload, launch, wait),
   // warm: the first call also allocates the job buffer. Median of 9.
   CKS(backend.EncodePages(geom, jobs.data(), 64));
@@ -267,8 +283,9 @@ int Main(int argc, char** argv) {
               kBlocks * 32 / enc_us / 1e3, enc_call_us);
   out["encode"] = {{"pages", kBlocks}, {"us", enc_us}, {"gbs", enc_gbs},
                    {"pct_copy", 100.0 * enc_gbs / copy_gbs}, {"call_64_pages_us", enc_call_us},
-                   {"tiled_us", tiled_us}, {"tiled_gbs", tiled_gbs},
-                   {"differing_page_bytes", differing}};
+                   {"tiled_us", tiled_us}, {"tiled_gbs", tiled_gbs}, {"strip_us", strip_us},
+                   {"roles_us", roles_us}, {"differing_page_bytes", differing},
+                   {"roles_differing_page_bytes", roles_differing}};
   CK(cudaFree(jobs_dev));
   // Fill the pool by replicating the encoded pages.
   for (int p = kBlocks; p < kPool; p += kBlocks) {

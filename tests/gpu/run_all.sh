@@ -96,6 +96,11 @@ if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-san
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2:*D128_g1_groups1'
   run sanitizer_memcheck_codec $cs --tool memcheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test"
+  # The encode's roles kernel: its two roles hand y buffers over on mbarriers.
+  run sanitizer_racecheck_codec_roles $cs --tool racecheck --error-exitcode 9 \
+    "$bundle/bin/cuda_codec_test" --gtest_filter='*RolesKernel*'
+  run sanitizer_synccheck_codec_roles $cs --tool synccheck --error-exitcode 9 \
+    "$bundle/bin/cuda_codec_test" --gtest_filter='*RolesKernel*'
   for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
 elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   run sanitizer_memcheck_codec compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -109,7 +114,7 @@ elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null
   run sanitizer_memcheck_attend_v4 env OSCARKV_CUDA_ATTEND_VARIANT=4 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
   run sanitizer_racecheck_codec timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
-    "$bundle/bin/cuda_codec_test" --gtest_filter='*Encode*'
+    "$bundle/bin/cuda_codec_test" --gtest_filter='*Encode*:*RolesKernel*'
   run sanitizer_initcheck_attend compute-sanitizer --tool initcheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2'
   for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
@@ -127,7 +132,7 @@ if [ "${NCU:-0}" = 1 ] && command -v ncu > /dev/null; then
     "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --variant 0 --iters 5 > "$out/ncu_128k.log" 2>&1
   ncu --clock-control none -k regex:SplitKernel -c 1 $sections \
     "$bundle/bin/oscarkv_gpu_bench" --only B1_S131072 --variant 4 --iters 5 > "$out/ncu_128k_v4.log" 2>&1
-  ncu --clock-control none -k regex:EncodeStripsKernel -c 1 $sections \
+  ncu --clock-control none -k regex:EncodeRolesKernel -c 1 $sections \
     "$bundle/bin/oscarkv_gpu_bench" --only none --iters 5 > "$out/ncu_encode.log" 2>&1
   echo "ncu 8K (prep, split, merge):"; grep -E "^  [A-Za-z]|Duration" "$out/ncu_8k.log" | head -12
   echo "ncu 128K:"; grep -E "^  [A-Za-z]|Duration|DRAM Throughput|Issue Slots|Achieved Occupancy|Executed Ipc A|Registers Per" "$out/ncu_128k.log" | head -30
