@@ -1,21 +1,26 @@
-// The encode kernel for head dims 64 and 128 (included by codec_kernels.cu
-// only, after the row helpers ClipThresholdsWarp / QuantizeRowWarp).
+// The encode kernels for head dims 64 and 128 (included by codec_kernels.cu
+// only, after the row helpers ClipThresholdsWarp / QuantizeRowWarp): the strip
+// kernel and the roles kernel, which run the same steps (TileSteps).
 //
 // Work: for each (kind, kv head), the rows (job, token) in tiles of M = 64.
-// A block of 8 warps walks a contiguous range of tiles (two blocks per SM, one
-// wave), so its rotation rarely changes. Per tile:
+// A block walks a contiguous range of tiles (one wave), so its rotation
+// rarely changes. Per tile:
 //   1. the next tile's x rows are fetched with cp.async while this one runs;
 //   2. the tile's rows are scaled by a power of two (max |x| into [2^14, 2^15))
 //      and turned into fp16 in place: exact, since bf16's 8 significant bits
 //      fit fp16's 11 once the row is in fp16's range;
 //   3. y = x · R on the tensor cores (mma.m16n8k16, fp16 in, fp32 out): warp w
-//      owns the output columns [w·D/8, (w+1)·D/8) and keeps that strip of R in
-//      its registers as two fp16 terms, hi = fp16(R) and lo = fp16((R - hi)·2^12),
-//      each with its own accumulator: R to ~2^-22, so x · R keeps fp32-level
+//      of 8 owns the output columns [w·D/8, (w+1)·D/8) and keeps that strip of
+//      R as two fp16 terms, hi = fp16(R) and lo = fp16((R - hi)·2^12), each
+//      with its own accumulator: R to ~2^-22, so x · R keeps fp32-level
 //      accuracy, and R is read from memory once per block, not per tile. y (the
 //      row scale undone) goes to shared memory;
-//   4. each warp clips, quantizes and packs 8 of the 64 rows (two at a time,
-//      their reductions interleaved).
+//   4. the rows are clipped, quantized and packed by one warp each (two at a
+//      time, their reductions interleaved).
+// Strip kernel: blocks of 8 warps (two per SM), each warp doing 3 and 4, its
+// strip in registers. Roles kernel (the default at D = 128): one block of 24
+// warps per SM, 8 multiplying (step 3, strips in shared memory) and 16
+// quantizing (step 4) at once, on two y buffers.
 // The tiled kernel (R staged in shared memory per tile) stays for D = 256,
 // whose strips would not fit in registers.
 #ifndef OSCARKV_KERNELS_CUDA_ENCODE_STRIPS_CUH_
@@ -95,35 +100,65 @@ __device__ __forceinline__ uint32_t PackHalf2(__half lo_elem, __half hi_elem) {
 constexpr float kLoScale = 4096.0f;           // lo term = (R - hi) · 2^12
 constexpr float kLoUnscale = 1.0f / 4096.0f;
 
-// One warp's strip of R as mma B fragments, two fp16 terms. Fragment (ks, nt)
-// of lane (g = lane/4, t = lane%4) holds R[16 ks + 2t (+1)][n] and
-// R[16 ks + 2t + 8 (+9)][n], n = strip column 8 nt + g.
+// The mma B fragments of one warp's strip of R, two fp16 terms: fragment
+// (ks, nt) of lane (g = lane/4, t = lane%4) holds R[16 ks + 2t (+1)][n] and
+// R[16 ks + 2t + 8 (+9)][n], n = strip column 8 nt + g, as {hi0, hi1, lo0,
+// lo1} (hi = fp16(R), lo = fp16((R - hi)·2^12)).
+template <int D>
+__device__ __forceinline__ uint4 StripFragment(const float* r, int col0, int lane, int ks, int nt) {
+  const int g = lane >> 2, t = lane & 3;
+  const int n = col0 + 8 * nt + g;
+  uint32_t hi[2], lo[2];
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int k = 16 * ks + 2 * t + 8 * half;
+    const float v0 = __ldg(r + size_t(k) * D + n), v1 = __ldg(r + size_t(k + 1) * D + n);
+    const __half h0 = __float2half_rn(v0), h1 = __float2half_rn(v1);
+    hi[half] = PackHalf2(h0, h1);
+    lo[half] = PackHalf2(__float2half_rn((v0 - __half2float(h0)) * kLoScale),
+                         __float2half_rn((v1 - __half2float(h1)) * kLoScale));
+  }
+  return make_uint4(hi[0], hi[1], lo[0], lo[1]);
+}
+
+// One warp's strip of R in its registers (the strip kernel).
 template <int D>
 struct RStrip {
   using S = Shape<D>;
-  uint32_t hi[S::KS][S::NT][2];
-  uint32_t lo[S::KS][S::NT][2];
+  uint4 frag[S::KS][S::NT];
   const float* loaded = nullptr;
 
   __device__ void Load(const float* r, int col0, int lane) {
-    const int g = lane >> 2, t = lane & 3;
 #pragma unroll
-    for (int ks = 0; ks < S::KS; ++ks) {
+    for (int ks = 0; ks < S::KS; ++ks)
 #pragma unroll
-      for (int nt = 0; nt < S::NT; ++nt) {
-        const int n = col0 + 8 * nt + g;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int k = 16 * ks + 2 * t + 8 * half;
-          const float v0 = __ldg(r + size_t(k) * D + n), v1 = __ldg(r + size_t(k + 1) * D + n);
-          const __half h0 = __float2half_rn(v0), h1 = __float2half_rn(v1);
-          hi[ks][nt][half] = PackHalf2(h0, h1);
-          lo[ks][nt][half] = PackHalf2(__float2half_rn((v0 - __half2float(h0)) * kLoScale),
-                                       __float2half_rn((v1 - __half2float(h1)) * kLoScale));
-        }
-      }
-    }
+      for (int nt = 0; nt < S::NT; ++nt) frag[ks][nt] = StripFragment<D>(r, col0, lane, ks, nt);
     loaded = r;
+  }
+  __device__ __forceinline__ uint4 Fragment(int ks, int nt, int) const { return frag[ks][nt]; }
+};
+
+// One warp's strip of R in shared memory (the roles kernel, whose register
+// cap would spill it): [ks][nt][lane], 16 bytes per lane, so that a lane
+// writes and reads only its own fragments (no synchronization to refill) and
+// a warp's load of one fragment is 4 conflict-free wavefronts.
+template <int D>
+struct SharedRStrip {
+  using S = Shape<D>;
+  static constexpr size_t kBytesPerWarp = size_t(S::KS) * S::NT * 32 * sizeof(uint4);
+  uint4* frag;  // this warp's kBytesPerWarp
+  const float* loaded = nullptr;
+
+  __device__ void Load(const float* r, int col0, int lane) {
+#pragma unroll
+    for (int ks = 0; ks < S::KS; ++ks)
+#pragma unroll
+      for (int nt = 0; nt < S::NT; ++nt)
+        frag[(ks * S::NT + nt) * 32 + lane] = StripFragment<D>(r, col0, lane, ks, nt);
+    loaded = r;
+  }
+  __device__ __forceinline__ uint4 Fragment(int ks, int nt, int lane) const {
+    return frag[(ks * S::NT + nt) * 32 + lane];
   }
 };
 
@@ -220,51 +255,67 @@ struct TileSteps {
     }
   }
 
-  // y strip of m16 tile mt (warp `warp` of 8: columns [warp·D/8, (warp+1)·D/8)),
-  // rows in `match` (bit i: row 16 mt + i) stored.
+  // y strip of the kTiles m16 tiles from mt0 (warp `warp` of 8: columns
+  // [warp·D/8, (warp+1)·D/8)), rows in `match` (bit i: row 16 mt0 + i of each
+  // tile) stored. Each B fragment serves the kTiles tiles.
+  template <int kTiles, typename Strip>
   static __device__ __forceinline__ void MultiplyM16(const uint16_t* xb, const float* row_unscale,
-                                                     float* ys, const RStrip<D>& strip, int warp,
-                                                     int lane, int mt, unsigned match) {
+                                                     float* ys, const Strip& strip, int warp,
+                                                     int lane, int mt0, unsigned match) {
     const int col0 = warp * S::NS;
     const int g = lane >> 2, t = lane & 3;
-    float acc_hi[S::NT][4], acc_lo[S::NT][4];
+    float acc_hi[kTiles][S::NT][4], acc_lo[kTiles][S::NT][4];
 #pragma unroll
-    for (int nt = 0; nt < S::NT; ++nt)
+    for (int m = 0; m < kTiles; ++m)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc_hi[nt][e] = acc_lo[nt][e] = 0.0f;
-    const uint16_t* arow = xb + (16 * mt + (lane & 15)) * S::LDX + (lane >> 4) * 8;
+      for (int nt = 0; nt < S::NT; ++nt)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_hi[m][nt][e] = acc_lo[m][nt][e] = 0.0f;
+    const uint16_t* arow = xb + (16 * mt0 + (lane & 15)) * S::LDX + (lane >> 4) * 8;
 #pragma unroll
     for (int ks = 0; ks < S::KS; ++ks) {
-      uint32_t a[4];
-      LdMatrixX4(a, arow + 16 * ks);
+      uint32_t a[kTiles][4];
+#pragma unroll
+      for (int m = 0; m < kTiles; ++m) LdMatrixX4(a[m], arow + 16 * m * S::LDX + 16 * ks);
 #pragma unroll
       for (int nt = 0; nt < S::NT; ++nt) {
-        MmaF16(acc_lo[nt], a, strip.lo[ks][nt][0], strip.lo[ks][nt][1]);
-        MmaF16(acc_hi[nt], a, strip.hi[ks][nt][0], strip.hi[ks][nt][1]);
+        const uint4 b = strip.Fragment(ks, nt, lane);
+#pragma unroll
+        for (int m = 0; m < kTiles; ++m) {
+          MmaF16(acc_lo[m][nt], a[m], b.z, b.w);
+          MmaF16(acc_hi[m][nt], a[m], b.x, b.y);
+        }
       }
     }
     // Rows g (e = 0, 1) and g + 8 (e = 2, 3), columns 2t, 2t + 1 of each n8 tile.
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      const int i = g + 8 * half;
-      if ((match >> i) & 1u) {
-        const float unscale = row_unscale[16 * mt + i];
-        float* yrow = ys + (16 * mt + i) * S::LDY + col0 + 2 * t;
+    for (int m = 0; m < kTiles; ++m) {
 #pragma unroll
-        for (int nt = 0; nt < S::NT; ++nt) {
-          float2 v;
-          v.x = fmaf(acc_lo[nt][2 * half], kLoUnscale, acc_hi[nt][2 * half]) * unscale;
-          v.y = fmaf(acc_lo[nt][2 * half + 1], kLoUnscale, acc_hi[nt][2 * half + 1]) * unscale;
-          *reinterpret_cast<float2*>(yrow + 8 * nt) = v;
+      for (int half = 0; half < 2; ++half) {
+        const int i = g + 8 * half;
+        if ((match >> i) & 1u) {
+          const int row = 16 * (mt0 + m) + i;
+          const float unscale = row_unscale[row];
+          float* yrow = ys + row * S::LDY + col0 + 2 * t;
+#pragma unroll
+          for (int nt = 0; nt < S::NT; ++nt) {
+            float2 v;
+            v.x = fmaf(acc_lo[m][nt][2 * half], kLoUnscale, acc_hi[m][nt][2 * half]) * unscale;
+            v.y = fmaf(acc_lo[m][nt][2 * half + 1], kLoUnscale, acc_hi[m][nt][2 * half + 1]) * unscale;
+            *reinterpret_cast<float2*>(yrow + 8 * nt) = v;
+          }
         }
       }
     }
   }
 
-  // The tile's y = x · R, warp `warp` of 8 storing its strip of columns.
+  // The tile's y = x · R, warp `warp` of 8 storing its strip of columns;
+  // kTiles m16 tiles per pass when the whole tile has one rotation.
+  template <int kTiles, typename Strip>
   static __device__ __forceinline__ void Multiply(const uint16_t* xb, const Row* trows,
                                                   const float* row_unscale, float* ys,
-                                                  RStrip<D>& strip, int warp, int lane) {
+                                                  Strip& strip, int warp, int lane) {
+    static_assert(S::MT % kTiles == 0, "whole passes");
     const int col0 = warp * S::NS;
     // The usual case: every row of the tile has the rotation of row 0 (always a
     // real row). Rows past the end get y too; nothing reads it.
@@ -274,7 +325,9 @@ struct TileSteps {
     if (__all_sync(0xffffffffu, same)) {
       if (strip.loaded != r0) strip.Load(r0, col0, lane);
 #pragma unroll 1
-      for (int mt = 0; mt < S::MT; ++mt) MultiplyM16(xb, row_unscale, ys, strip, warp, lane, mt, 0xffffu);
+      for (int mt = 0; mt < S::MT; mt += kTiles) {
+        MultiplyM16<kTiles>(xb, row_unscale, ys, strip, warp, lane, mt, 0xffffu);
+      }
       return;
     }
     // One pass per distinct rotation among the rows of each m16 tile.
@@ -289,7 +342,7 @@ struct TileSteps {
             __shfl_sync(0xffffffffu, reinterpret_cast<unsigned long long>(my_rot), src_lane));
         const unsigned match = __ballot_sync(0xffffffffu, my_rot == r && my_rot != nullptr);
         if (strip.loaded != r) strip.Load(r, col0, lane);
-        MultiplyM16(xb, row_unscale, ys, strip, warp, lane, mt, match);
+        MultiplyM16<1>(xb, row_unscale, ys, strip, warp, lane, mt, match);
         pending &= ~match;
       }
     }
@@ -366,7 +419,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();  // xs(b) complete for every thread
     steps.ToScaledFp16(xs(b), row_unscale, tid);
     __syncthreads();
-    steps.Multiply(xs(b), rows[rb], row_unscale, ys, strip, warp, lane);
+    steps.template Multiply<1>(xs(b), rows[rb], row_unscale, ys, strip, warp, lane);
     __syncthreads();  // ys complete
     steps.template Quantize<G>(rows[rb], ys, warp, kWarps, lane);
   }
@@ -380,31 +433,35 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
 // The same work with the warps split by role (warp specialization): warps
 // 0-7 fetch, convert and multiply tile n into y buffer n % 2 while 16
 // quantizing warps clip, quantize and pack tile n - 1 from the other buffer.
-// One block per SM, a register cap of 65536 / threads (80): the
-// multiplying warps hold their strip of R (64 registers at D 128) and
-// nothing of the quantize, the quantizing warps no R. The roles meet on two
-// mbarriers per y buffer b: y_full[b] (every multiplying thread arrives once
-// its part of a tile's y is stored) and y_free[b] (every quantizing thread
-// arrives once it is done with it). Every thread arrives itself, so that
-// each arrive releases that thread's own accesses (racecheck clean; one
-// arrive per warp after a __syncwarp measured the same speed, but racecheck
-// cannot follow it, nor named barriers with bar.arrive).
-// The quantize is the limit: with 8, 12, 16 quantizing warps the 2048-page
-// benchmark took 826, 716, 624 µs, against 691 µs for the strip kernel
-// (H200, 2026-11-30, tests/bench/RESULTS.md run 16; 16 warps spill ~240
-// bytes per thread at the 80-register cap, fewer warps barely). The math is the
-// strip kernel's, step for step, so the pages are byte-identical.
+// One block per SM, so a register cap of 65536 / 768 threads = 80: the
+// multiplying warps keep their strips of R in shared memory (in registers
+// they spilled) and load each fragment once per two m16 tiles; the
+// quantizing warps hold no R. The roles meet on two mbarriers per y buffer b:
+// y_full[b] (every multiplying thread arrives once its part of a tile's y is
+// stored) and y_free[b] (every quantizing thread arrives once it is done with
+// it). Every thread arrives itself, so that each arrive releases that
+// thread's own accesses (racecheck clean; one arrive per warp after a
+// __syncwarp measured the same speed, but racecheck cannot follow it, nor
+// named barriers with bar.arrive).
+// Measured (H200, 2026-11-30, tests/bench/RESULTS.md run 16): 610 µs for
+// the 2048-page benchmark against 694 µs for the strip kernel; 8 and 12
+// quantizing warps took 826 and 716 µs (with R in registers). With 16 the
+// quantizing warps wait for full buffers: the multiplying warps set the pace.
+// The math is the strip kernel's, step for step, so the pages are
+// byte-identical.
 namespace roles {
 constexpr int kQuantWarps = 16;
 constexpr int kThreads = encode_strips::kThreads + kQuantWarps * 32;
-constexpr int kMultiplyBarrier = 1;  // named barrier of the 256 multiplying threads
+constexpr int kMultiplyThreads = encode_strips::kThreads;  // warps 0-7
+constexpr int kMultiplyBarrier = 1;  // named barrier of the multiplying threads
 constexpr int kRowSlots = 4;  // tile n's rows: filled during n - 1, read by the quantizers until n + 2 starts
 
 template <int D>
 struct Smem {
   using S = Shape<D>;
   static constexpr size_t kYOffset = 2 * S::kXBytes;
-  static constexpr size_t kBytes = kYOffset + 2 * S::kYBytes;
+  static constexpr size_t kStripOffset = kYOffset + 2 * S::kYBytes;
+  static constexpr size_t kBytes = kStripOffset + kWarps * SharedRStrip<D>::kBytesPerWarp;
 };
 }  // namespace roles
 
@@ -430,7 +487,7 @@ __global__ void __launch_bounds__(roles::kThreads, 1)
   const int tiles = static_cast<int>(last - first);
   if (tid == 0) {
     for (int b = 0; b < 2; ++b) {
-      BarrierInit(&y_full[b], kThreads);
+      BarrierInit(&y_full[b], roles::kMultiplyThreads);
       BarrierInit(&y_free[b], roles::kQuantWarps * 32);
     }
   }
@@ -451,9 +508,11 @@ __global__ void __launch_bounds__(roles::kThreads, 1)
 
   // Multiplying warps.
   const TileSteps<D> steps{geom, jobs, tiles_per_kh, num_jobs * geom.page_tokens};
-  RStrip<D> strip;
+  SharedRStrip<D> strip;
+  strip.frag = reinterpret_cast<uint4*>(smem + roles::Smem<D>::kStripOffset +
+                                        warp * SharedRStrip<D>::kBytesPerWarp);
   steps.FillRows(first, rows[0], tid);
-  NamedBarrierSync(roles::kMultiplyBarrier, kThreads);
+  NamedBarrierSync(roles::kMultiplyBarrier, roles::kMultiplyThreads);
   steps.FetchX(xs(0), rows[0], tid);
   CpAsyncCommit();
 #pragma unroll 1
@@ -462,15 +521,15 @@ __global__ void __launch_bounds__(roles::kThreads, 1)
     // rows[(n + 1) % 4] last served tile n - 3, whose buffer the quantizers
     // freed before tile n - 1's multiply.
     if (n + 1 < tiles) steps.FillRows(first + n + 1, rows[(n + 1) % kRowSlots], tid);
-    NamedBarrierSync(roles::kMultiplyBarrier, kThreads);  // rows written; xs(b ^ 1) read by n - 1's multiply
+    NamedBarrierSync(roles::kMultiplyBarrier, roles::kMultiplyThreads);  // rows written; xs(b ^ 1) read by n - 1's multiply
     if (n + 1 < tiles) steps.FetchX(xs(b ^ 1), rows[(n + 1) % kRowSlots], tid);
     CpAsyncCommit();
     CpAsyncWaitAllButNewest();
-    NamedBarrierSync(roles::kMultiplyBarrier, kThreads);  // xs(b) complete for every thread
+    NamedBarrierSync(roles::kMultiplyBarrier, roles::kMultiplyThreads);  // xs(b) complete for every thread
     steps.ToScaledFp16(xs(b), row_unscale, tid);
-    NamedBarrierSync(roles::kMultiplyBarrier, kThreads);
+    NamedBarrierSync(roles::kMultiplyBarrier, roles::kMultiplyThreads);
     if (n >= 2) BarrierWait(&y_free[b], ((n >> 1) & 1) ^ 1);  // tile n - 2 quantized
-    steps.Multiply(xs(b), rows[n % kRowSlots], row_unscale, ys(b), strip, warp, lane);
+    steps.template Multiply<2>(xs(b), rows[n % kRowSlots], row_unscale, ys(b), strip, warp, lane);
     BarrierArrive(&y_full[b]);
   }
 }

@@ -226,7 +226,7 @@ TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
     std::vector<uint8_t> cpu_pages;
     DeviceBuffer gpu_pages, rot_dev;
     std::vector<float> rot;
-    RunEncode(*gpu_, c, seed++, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev);
+    ASSERT_NO_FATAL_FAILURE(RunEncode(*gpu_, c, seed++, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev));
     if (c.hadamard) {
       std::printf("encode, Hadamard D=%d: %zu of %zu codes flipped, %zu of %zu params differ, "
                   "max %d fp16 ulp\n",
@@ -249,37 +249,64 @@ TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
   RecordProperty("code_flip_fraction", std::to_string(double(total.code_flips) / total.codes));
 }
 
-// The warp-specialized encode kernel runs the strip kernel's math step for
-// step, so its pages must equal the strip kernel's byte for byte, on every
-// case with D <= 128 (tiles that mix rotations and jobs, odd page sizes,
-// 8-byte-aligned blocks, Hadamard ties). The two launches write over
-// different poisons, so a byte that either leaves unwritten shows too.
+// Encodes `c` with the strip kernel and with the roles kernel (the strip
+// kernel's math split between multiplying and quantizing warps) and expects
+// the same pages byte for byte. The launches write over different poisons, so
+// a byte that either leaves unwritten shows too.
+void ExpectRolesPagesEqualStrips(Backend& gpu, const CodecCase& c, uint64_t seed) {
+  EncodeInputs in;
+  MakeEncodeInputs(gpu, c, seed, &in);
+  ASSERT_FALSE(::testing::Test::HasFatalFailure());
+  const size_t bytes = in.geom.page_bytes() * c.jobs;
+  auto jobs_dev = Upload(gpu, in.gpu_jobs);
+  ASSERT_TRUE(jobs_dev.ok()) << jobs_dev.status();
+  std::vector<std::vector<uint8_t>> pages;
+  for (const auto& [choice, poison] : {std::pair{EncodeKernelChoice::kStrips, 0xA5},
+                                       std::pair{EncodeKernelChoice::kRoles, 0x5A}}) {
+    const std::vector<uint8_t> fill(bytes, static_cast<uint8_t>(poison));
+    ASSERT_TRUE(gpu.CopyToDevice(in.pages_dev.data(), fill.data(), bytes).ok());
+    // The backend copies on its own (non-blocking) stream; the launch below
+    // goes to the legacy stream: let every copy land first.
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    ASSERT_TRUE(LaunchEncodePages(in.geom, jobs_dev->as<EncodeJob>(), c.jobs, nullptr, choice).ok());
+    ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    auto got = Download<uint8_t>(gpu, in.pages_dev.data(), bytes);
+    ASSERT_TRUE(got.ok()) << got.status();
+    pages.push_back(std::move(got).value());
+  }
+  size_t differing = 0;
+  for (size_t i = 0; i < bytes; ++i) differing += pages[0][i] != pages[1][i];
+  EXPECT_EQ(differing, 0u) << "of " << bytes << " page bytes";
+}
+
+// Every case with D <= 128 as it is (tiles that mix rotations and jobs, odd
+// page sizes, 8-byte-aligned blocks, Hadamard ties). Small: most blocks get
+// one tile; the sanitizer runs use this test.
 TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytes) {
   uint64_t seed = 100;
   for (const CodecCase& c : kCases) {
     if (c.dim > 128) continue;
     SCOPED_TRACE(testing::Message() << "H=" << c.heads << " D=" << c.dim << " G=" << c.group
                                     << " P=" << c.page_tokens << " clip=" << c.clip_k);
-    EncodeInputs in;
-    MakeEncodeInputs(*gpu_, c, seed++, &in);
-    ASSERT_FALSE(HasFatalFailure());
-    const size_t bytes = in.geom.page_bytes() * c.jobs;
-    auto jobs_dev = Upload(*gpu_, in.gpu_jobs);
-    ASSERT_TRUE(jobs_dev.ok()) << jobs_dev.status();
-    std::vector<std::vector<uint8_t>> pages;
-    for (const auto& [choice, poison] : {std::pair{EncodeKernelChoice::kStrips, 0xA5},
-                                         std::pair{EncodeKernelChoice::kRoles, 0x5A}}) {
-      const std::vector<uint8_t> fill(bytes, static_cast<uint8_t>(poison));
-      ASSERT_TRUE(gpu_->CopyToDevice(in.pages_dev.data(), fill.data(), bytes).ok());
-      ASSERT_TRUE(LaunchEncodePages(in.geom, jobs_dev->as<EncodeJob>(), c.jobs, nullptr, choice).ok());
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      auto got = Download<uint8_t>(*gpu_, in.pages_dev.data(), bytes);
-      ASSERT_TRUE(got.ok()) << got.status();
-      pages.push_back(std::move(got).value());
-    }
-    size_t differing = 0;
-    for (size_t i = 0; i < bytes; ++i) differing += pages[0][i] != pages[1][i];
-    EXPECT_EQ(differing, 0u) << "of " << bytes << " page bytes";
+    ASSERT_NO_FATAL_FAILURE(ExpectRolesPagesEqualStrips(*gpu_, c, seed++));
+  }
+}
+
+// The same cases with enough jobs that every block of the one-wave grid walks
+// at least 12 tiles, so that the roles kernel's y buffers, barrier phases and
+// row slots are each reused several times.
+TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytesOverManyTilesPerBlock) {
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  uint64_t seed = 200;
+  for (CodecCase c : kCases) {
+    if (c.dim > 128) continue;
+    const long items_per_tile_row = 2L * c.heads;  // (kind, head) items per 64-row tile
+    const long rows = 12L * sms * 64 / items_per_tile_row + 64;
+    c.jobs = std::max<int>(c.jobs, static_cast<int>((rows + c.page_tokens - 1) / c.page_tokens));
+    SCOPED_TRACE(testing::Message() << "H=" << c.heads << " D=" << c.dim << " G=" << c.group
+                                    << " P=" << c.page_tokens << " jobs=" << c.jobs);
+    ASSERT_NO_FATAL_FAILURE(ExpectRolesPagesEqualStrips(*gpu_, c, seed++));
   }
 }
 
@@ -404,7 +431,7 @@ TEST_F(CudaCodecTest, DecodeMatchesCpuBackendOnTheSamePages) {
     std::vector<uint8_t> cpu_pages;
     DeviceBuffer gpu_pages, rot_dev;
     std::vector<float> rot;
-    RunEncode(*gpu_, c, seed++, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev);
+    ASSERT_NO_FATAL_FAILURE(RunEncode(*gpu_, c, seed++, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev));
     const PageGeometry geom{c.heads, c.dim, c.group, c.page_tokens};
     // Decode the CPU's pages on both backends.
     auto src_dev = Upload(*gpu_, cpu_pages);
@@ -468,7 +495,7 @@ TEST_F(CudaCodecTest, GpuRoundTripStaysWithinTheQuantizationError) {
   DeviceBuffer gpu_pages, rot_dev;
   std::vector<float> rot;
   std::mt19937_64 rng(7);
-  RunEncode(*gpu_, c, 7, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev);
+  ASSERT_NO_FATAL_FAILURE(RunEncode(*gpu_, c, 7, &k, &cpu_pages, &gpu_pages, &rot, &rot_dev));
   const PageGeometry geom{c.heads, c.dim, c.group, c.page_tokens};
   const size_t block_elems = geom.exact_block_bytes() / 2;
   // Regenerate the same blocks RunEncode drew (same seed, same order).

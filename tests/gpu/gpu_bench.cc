@@ -231,7 +231,11 @@ int Main(int argc, char** argv) {
   // write the same bytes; the default last, whose pages the attention
   // benchmark below uses. Tiled and strip must agree on (almost) every byte.
   const double enc_bytes = double(kBlocks) * (geom.exact_block_bytes() + geom.page_bytes());
+  // Each kernel writes over its own poison, so that bytes one leaves
+  // unwritten count as differing.
   const auto time_encode = [&](EncodeKernelChoice choice, std::vector<uint8_t>* pages) {
+    CK(cudaMemsetAsync(pool->data(), 0x11 * (1 + static_cast<int>(choice)),
+                       size_t(kBlocks) * geom.page_bytes(), stream));
     const double us = TimeEvents(stream, 2, 20, [&](int) {
       CKS(LaunchEncodePages(geom, jobs_dev, kBlocks, stream, choice));
     });
