@@ -115,6 +115,8 @@ elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
   run sanitizer_racecheck_codec timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test" --gtest_filter='*Encode*:*RolesKernel*'
+  run sanitizer_synccheck_codec_roles timeout 150 compute-sanitizer --tool synccheck --error-exitcode 9 \
+    "$bundle/bin/cuda_codec_test" --gtest_filter='*RolesKernel*'
   run sanitizer_initcheck_attend compute-sanitizer --tool initcheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2'
   for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
