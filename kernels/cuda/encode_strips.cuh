@@ -13,8 +13,9 @@
 //      of 8 owns the output columns [w·D/8, (w+1)·D/8) and keeps that strip of
 //      R as two fp16 terms, hi = fp16(R) and lo = fp16((R - hi)·2^12), each
 //      with its own accumulator: R to ~2^-22, so x · R keeps fp32-level
-//      accuracy, and R is read from memory once per block, not per tile. y (the
-//      row scale undone) goes to shared memory;
+//      accuracy, and R is read from memory only when a tile's rotation
+//      changes (blocks walk contiguous tiles). y (the row scale undone) goes to
+//      shared memory;
 //   4. the rows are clipped, quantized and packed by one warp each (two at a
 //      time, their reductions interleaved).
 // Strip kernel: blocks of 8 warps (two per SM), each warp doing 3 and 4, its
@@ -256,8 +257,9 @@ struct TileSteps {
   }
 
   // y strip of the kTiles m16 tiles from mt0 (warp `warp` of 8: columns
-  // [warp·D/8, (warp+1)·D/8)), rows in `match` (bit i: row 16 mt0 + i of each
-  // tile) stored. Each B fragment serves the kTiles tiles.
+  // [warp·D/8, (warp+1)·D/8)), rows in `match` (bit i: row 16 mt0 + i; a
+  // partial mask only with kTiles = 1) stored. Each B fragment serves the
+  // kTiles tiles.
   template <int kTiles, typename Strip>
   static __device__ __forceinline__ void MultiplyM16(const uint16_t* xb, const float* row_unscale,
                                                      float* ys, const Strip& strip, int warp,
@@ -433,10 +435,11 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
 // The same work with the warps split by role (warp specialization): warps
 // 0-7 fetch, convert and multiply tile n into y buffer n % 2 while 16
 // quantizing warps clip, quantize and pack tile n - 1 from the other buffer.
-// One block per SM, so a register cap of 65536 / 768 threads = 80: the
-// multiplying warps keep their strips of R in shared memory (in registers
-// they spilled) and load each fragment once per two m16 tiles; the
-// quantizing warps hold no R. The roles meet on two mbarriers per y buffer b:
+// One block per SM, so a register cap of 80 (65536 / 768 threads, rounded
+// down to the allocation step): the multiplying warps keep their strips of R
+// in shared memory (in registers they spilled) and load each fragment once
+// per two m16 tiles when the tile has one rotation; the quantizing warps hold
+// no R. The roles meet on two mbarriers per y buffer b:
 // y_full[b] (every multiplying thread arrives once its part of a tile's y is
 // stored) and y_free[b] (every quantizing thread arrives once it is done with
 // it). Every thread arrives itself, so that each arrive releases that
@@ -445,8 +448,9 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
 // named barriers with bar.arrive).
 // Measured (H200, 2026-11-30, tests/bench/RESULTS.md run 16): 610 µs for
 // the 2048-page benchmark against 694 µs for the strip kernel; 8 and 12
-// quantizing warps took 826 and 716 µs (with R in registers). With 16 the
-// quantizing warps wait for full buffers: the multiplying warps set the pace.
+// quantizing warps took 826 and 716 µs (with R in registers). The kernel is
+// bound by instruction issue (0.71 per cycle and scheduler, both roles
+// sharing the schedulers): only fewer instructions per row make it faster.
 // The math is the strip kernel's, step for step, so the pages are
 // byte-identical.
 namespace roles {
@@ -462,6 +466,8 @@ struct Smem {
   static constexpr size_t kYOffset = 2 * S::kXBytes;
   static constexpr size_t kStripOffset = kYOffset + 2 * S::kYBytes;
   static constexpr size_t kBytes = kStripOffset + kWarps * SharedRStrip<D>::kBytesPerWarp;
+  // sm_90's opt-in limit is 227 KB per block, ~11 KB of it static here.
+  static_assert(kBytes <= 200 * 1024, "the roles kernel's shared memory fits an sm_90 block");
 };
 }  // namespace roles
 

@@ -68,6 +68,9 @@ struct CodecCase {
   // bf16 inputs, so equal magnitudes among a row's largest are common and
   // the clip search's repeat handling runs on real shapes.
   bool hadamard = false;
+  // Every job uses rotation set 0 (else jobs alternate between two sets, so
+  // that a 64-row tile of 32-token pages mixes rotations).
+  bool one_rotation = false;
 };
 
 struct Counts {
@@ -129,7 +132,7 @@ void MakeEncodeInputs(Backend& gpu, const CodecCase& c, uint64_t seed, EncodeInp
   in->cpu_jobs.resize(c.jobs);
   in->gpu_jobs.resize(c.jobs);
   for (int j = 0; j < c.jobs; ++j) {
-    const int set = j % 2;
+    const int set = c.one_rotation ? 0 : j % 2;
     const size_t rk = 2 * set * set_floats, rv = (2 * set + 1) * set_floats;
     const size_t stride = c.per_head ? size_t(c.dim) * c.dim : 0;
     in->cpu_jobs[j] = EncodeJob{in->blocks.data() + j * block_elems,
@@ -281,7 +284,7 @@ void ExpectRolesPagesEqualStrips(Backend& gpu, const CodecCase& c, uint64_t seed
 
 // Every case with D <= 128 as it is (tiles that mix rotations and jobs, odd
 // page sizes, 8-byte-aligned blocks, Hadamard ties). Small: most blocks get
-// one tile; the sanitizer runs use this test.
+// one tile; run_all.sh's sanitizer runs use this test only.
 TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytes) {
   uint64_t seed = 100;
   for (const CodecCase& c : kCases) {
@@ -292,9 +295,12 @@ TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytes) {
   }
 }
 
-// The same cases with enough jobs that every block of the one-wave grid walks
-// at least 12 tiles, so that the roles kernel's y buffers, barrier phases and
-// row slots are each reused several times.
+// The same cases with enough jobs that every block of the roles kernel's
+// one-wave grid (one block per SM) walks at least 12 tiles, so that its y
+// buffers, barrier phases and row slots are each reused several times; each
+// case twice: with jobs alternating between two rotations (tiles that mix
+// them: one m16 tile per pass) and with one rotation (two m16 tiles per
+// fragment load).
 TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytesOverManyTilesPerBlock) {
   int sms = 0;
   ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
@@ -304,9 +310,13 @@ TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytesOverManyTilesPerBlock
     const long items_per_tile_row = 2L * c.heads;  // (kind, head) items per 64-row tile
     const long rows = 12L * sms * 64 / items_per_tile_row + 64;
     c.jobs = std::max<int>(c.jobs, static_cast<int>((rows + c.page_tokens - 1) / c.page_tokens));
-    SCOPED_TRACE(testing::Message() << "H=" << c.heads << " D=" << c.dim << " G=" << c.group
-                                    << " P=" << c.page_tokens << " jobs=" << c.jobs);
-    ASSERT_NO_FATAL_FAILURE(ExpectRolesPagesEqualStrips(*gpu_, c, seed++));
+    for (const bool one_rotation : {false, true}) {
+      c.one_rotation = one_rotation;
+      SCOPED_TRACE(testing::Message() << "H=" << c.heads << " D=" << c.dim << " G=" << c.group
+                                      << " P=" << c.page_tokens << " jobs=" << c.jobs
+                                      << " one rotation=" << one_rotation);
+      ASSERT_NO_FATAL_FAILURE(ExpectRolesPagesEqualStrips(*gpu_, c, seed++));
+    }
   }
 }
 

@@ -269,6 +269,10 @@ int Main(int argc, char** argv) {
   std::printf("page bytes that differ: strip vs tiled %zu of %zu (%.1e); roles vs strip %zu\n",
               differing, strip_pages.size(), double(differing) / strip_pages.size(),
               roles_differing);
+  if (roles_differing != 0) {  // the same math: any difference is a bug
+    std::fprintf(stderr, "error: the roles kernel's pages differ from the strip kernel's\n");
+    return 1;
+  }
   // One demotion-sized call through the backend (job upload, launch, wait),
   // warm: the first call also allocates the job buffer. Median of 9.
   CKS(backend.EncodePages(geom, jobs.data(), 64));

@@ -98,9 +98,9 @@ if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-san
     "$bundle/bin/cuda_codec_test"
   # The encode's roles kernel: its two roles hand y buffers over on mbarriers.
   run sanitizer_racecheck_codec_roles $cs --tool racecheck --error-exitcode 9 \
-    "$bundle/bin/cuda_codec_test" --gtest_filter='*RolesKernel*'
+    "$bundle/bin/cuda_codec_test" --gtest_filter='CudaCodecTest.RolesKernelWritesTheStripKernelsBytes'
   run sanitizer_synccheck_codec_roles $cs --tool synccheck --error-exitcode 9 \
-    "$bundle/bin/cuda_codec_test" --gtest_filter='*RolesKernel*'
+    "$bundle/bin/cuda_codec_test" --gtest_filter='CudaCodecTest.RolesKernelWritesTheStripKernelsBytes'
   for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
 elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   run sanitizer_memcheck_codec compute-sanitizer --tool memcheck --error-exitcode 9 \
@@ -114,9 +114,9 @@ elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null
   run sanitizer_memcheck_attend_v4 env OSCARKV_CUDA_ATTEND_VARIANT=4 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
   run sanitizer_racecheck_codec timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
-    "$bundle/bin/cuda_codec_test" --gtest_filter='*Encode*:*RolesKernel*'
+    "$bundle/bin/cuda_codec_test" --gtest_filter='*Encode*:CudaCodecTest.RolesKernelWritesTheStripKernelsBytes'
   run sanitizer_synccheck_codec_roles timeout 150 compute-sanitizer --tool synccheck --error-exitcode 9 \
-    "$bundle/bin/cuda_codec_test" --gtest_filter='*RolesKernel*'
+    "$bundle/bin/cuda_codec_test" --gtest_filter='CudaCodecTest.RolesKernelWritesTheStripKernelsBytes'
   run sanitizer_initcheck_attend compute-sanitizer --tool initcheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2'
   for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
