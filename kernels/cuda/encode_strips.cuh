@@ -458,7 +458,9 @@ constexpr int kQuantWarps = 16;
 constexpr int kThreads = encode_strips::kThreads + kQuantWarps * 32;
 constexpr int kMultiplyThreads = encode_strips::kThreads;  // warps 0-7
 constexpr int kMultiplyBarrier = 1;  // named barrier of the multiplying threads
-constexpr int kRowSlots = 4;  // tile n's rows: filled during n - 1, read by the quantizers until n + 2 starts
+// Tile n's rows: filled during tile n - 1, read by the quantizers until the
+// multiply of tile n + 2 starts.
+constexpr int kRowSlots = 4;
 
 template <int D>
 struct Smem {
@@ -527,11 +529,12 @@ __global__ void __launch_bounds__(roles::kThreads, 1)
     // rows[(n + 1) % 4] last served tile n - 3, whose buffer the quantizers
     // freed before tile n - 1's multiply.
     if (n + 1 < tiles) steps.FillRows(first + n + 1, rows[(n + 1) % kRowSlots], tid);
-    NamedBarrierSync(roles::kMultiplyBarrier, roles::kMultiplyThreads);  // rows written; xs(b ^ 1) read by n - 1's multiply
+    // rows written; xs(b ^ 1), read by tile n - 1's multiply, free
+    NamedBarrierSync(roles::kMultiplyBarrier, roles::kMultiplyThreads);
     if (n + 1 < tiles) steps.FetchX(xs(b ^ 1), rows[(n + 1) % kRowSlots], tid);
     CpAsyncCommit();
     CpAsyncWaitAllButNewest();
-    NamedBarrierSync(roles::kMultiplyBarrier, roles::kMultiplyThreads);  // xs(b) complete for every thread
+    NamedBarrierSync(roles::kMultiplyBarrier, roles::kMultiplyThreads);  // xs(b) complete
     steps.ToScaledFp16(xs(b), row_unscale, tid);
     NamedBarrierSync(roles::kMultiplyBarrier, roles::kMultiplyThreads);
     if (n >= 2) BarrierWait(&y_free[b], ((n >> 1) & 1) ^ 1);  // tile n - 2 quantized
