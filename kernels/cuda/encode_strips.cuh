@@ -351,10 +351,11 @@ struct TileSteps {
   }
 
   // Clip, quantize, pack the tile's rows: warp `qwarp` of `nq` takes rows
-  // qwarp, qwarp + nq, ..., R at a time.
-  template <int G, int R = kRowsPerPass>
+  // qwarp, qwarp + nq, ..., kRowsPerPass at a time.
+  template <int G>
   static __device__ __forceinline__ void Quantize(const Row* trows, const float* ys, int qwarp,
                                                   int nq, int lane) {
+    constexpr int R = kRowsPerPass;
 #pragma unroll 1
     for (int i0 = qwarp; i0 < S::M; i0 += nq * R) {
       const float* yr[R];
