@@ -38,6 +38,17 @@ ModelRotation RandomRotation(const ModelLayout& layout, bool per_head, uint64_t 
   return rot;
 }
 
+// Writes `rot` to a fresh file named after `file_name` in the test temp dir
+// (the server's calibration_dir) and fills the LoadCalibration request of
+// `model` for it.
+void WriteCalibrationRequest(const ModelRotation& rot, const std::string& model,
+                             const std::string& file_name, v1::LoadCalibrationRequest* req) {
+  const std::string path = ::oscarkv::testing::UniqueTempPath(file_name);
+  ASSERT_TRUE(WriteCalibrationFile(path, rot).ok());
+  req->set_model(model);
+  req->set_path(path);
+}
+
 class Calibrated : public ::testing::TestWithParam<bool> {};
 
 TEST_P(Calibrated, LoadCalibrationEncodesWithTheFileAndAttendMatchesReference) {
@@ -48,12 +59,10 @@ TEST_P(Calibrated, LoadCalibrationEncodesWithTheFileAndAttendMatchesReference) {
   ASSERT_NE(ts.client, nullptr);
   const ModelLayout layout = TinyLayout();
   const ModelRotation rot = RandomRotation(layout, per_head, 42);
-  const std::string path = ::oscarkv::testing::UniqueTempPath(
-      per_head ? "svc_calib_head.safetensors" : "svc_calib_layer.safetensors");
-  ASSERT_TRUE(WriteCalibrationFile(path, rot).ok());
   v1::LoadCalibrationRequest req;
-  req.set_model("tiny-oscar");
-  req.set_path(path);
+  ASSERT_NO_FATAL_FAILURE(WriteCalibrationRequest(
+      rot, "tiny-oscar", per_head ? "svc_calib_head.safetensors" : "svc_calib_layer.safetensors",
+      &req));
   auto model = ts.client->LoadCalibration(req);
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_TRUE(model->calibrated());
@@ -122,11 +131,9 @@ TEST(Calibration, AFileCalledHadamardIsNotAttendedWithTheRebuiltHadamard) {
   const ModelLayout layout = TinyLayout();
   ModelRotation rot = RandomRotation(layout, false, 7);
   rot.objective = "hadamard";
-  const std::string path = ::oscarkv::testing::UniqueTempPath("svc_calib_fake_h.safetensors");
-  ASSERT_TRUE(WriteCalibrationFile(path, rot).ok());
   v1::LoadCalibrationRequest req;
-  req.set_model("tiny-fake-h");
-  req.set_path(path);
+  ASSERT_NO_FATAL_FAILURE(
+      WriteCalibrationRequest(rot, "tiny-fake-h", "svc_calib_fake_h.safetensors", &req));
   auto model = ts.client->LoadCalibration(req);
   ASSERT_TRUE(model.ok()) << model.status();
   EXPECT_EQ(model->objective(), "hadamard");
