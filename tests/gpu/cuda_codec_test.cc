@@ -156,18 +156,14 @@ void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
   if (::testing::Test::HasFatalFailure()) return;
   const PageGeometry& geom = in.geom;
   const size_t page_bytes = geom.page_bytes();
-  std::vector<uint8_t>& cpu_pages = in.cpu_pages;
-  const DeviceBuffer& pages_dev = in.pages_dev;
-  const std::vector<EncodeJob>& cpu_jobs = in.cpu_jobs;
-  const std::vector<EncodeJob>& gpu_jobs = in.gpu_jobs;
   // Poison the GPU pages: every byte must be written.
   std::vector<uint8_t> poison(page_bytes * c.jobs, 0xA5);
-  ASSERT_TRUE(gpu.CopyToDevice(pages_dev.data(), poison.data(), poison.size()).ok());
+  ASSERT_TRUE(gpu.CopyToDevice(in.pages_dev.data(), poison.data(), poison.size()).ok());
 
   CpuBackend cpu(2);
-  ASSERT_TRUE(cpu.EncodePages(geom, cpu_jobs.data(), c.jobs).ok());
-  ASSERT_TRUE(gpu.EncodePages(geom, gpu_jobs.data(), c.jobs).ok());
-  auto got = Download<uint8_t>(gpu, pages_dev.data(), page_bytes * c.jobs);
+  ASSERT_TRUE(cpu.EncodePages(geom, in.cpu_jobs.data(), c.jobs).ok());
+  ASSERT_TRUE(gpu.EncodePages(geom, in.gpu_jobs.data(), c.jobs).ok());
+  auto got = Download<uint8_t>(gpu, in.pages_dev.data(), page_bytes * c.jobs);
   ASSERT_TRUE(got.ok());
 
   for (int j = 0; j < c.jobs; ++j) {
@@ -177,18 +173,18 @@ void RunEncode(Backend& gpu, const CodecCase& c, uint64_t seed, Counts* counts,
         const size_t po = j * page_bytes + geom.params_offset(h, kind);
         for (int t = 0; t < c.page_tokens; ++t) {
           uint8_t qa[256], qb[256];
-          UnpackRow(&cpu_pages[co + t * geom.code_row_bytes()], c.dim, qa);
+          UnpackRow(&in.cpu_pages[co + t * geom.code_row_bytes()], c.dim, qa);
           UnpackRow(&(*got)[co + t * geom.code_row_bytes()], c.dim, qb);
           for (int e = 0; e < c.dim; ++e) counts->code_flips += qa[e] != qb[e];
           counts->codes += c.dim;
           for (int gi = 0; gi < geom.groups(); ++gi) {
             const size_t o = po + (size_t(t) * geom.groups() + gi) * 4;
-            const bool differ = std::memcmp(&cpu_pages[o], &(*got)[o], 4) != 0;
+            const bool differ = std::memcmp(&in.cpu_pages[o], &(*got)[o], 4) != 0;
             counts->param_diffs += differ;
             counts->params += 1;
             if (differ) {
               uint16_t a[2], b[2];
-              std::memcpy(a, &cpu_pages[o], 4);
+              std::memcpy(a, &in.cpu_pages[o], 4);
               std::memcpy(b, &(*got)[o], 4);
               counts->max_param_ulp = std::max(
                   {counts->max_param_ulp, Fp16UlpDistance(a[0], b[0]), Fp16UlpDistance(a[1], b[1])});
