@@ -58,13 +58,22 @@ __device__ __forceinline__ const float* RowRotation(const RotationRef& r, int ki
 // network; n is a lane's element count, 2..8).
 template <int N>
 __device__ __forceinline__ void SortDescending(uint32_t (&a)[N]) {
+  const auto exchange = [&](int j, int k) {
+    const uint32_t hi = max(a[j], a[k]), lo = min(a[j], a[k]);
+    a[j] = hi;
+    a[k] = lo;
+  };
+  if constexpr (N == 4) {  // the optimal network: 5 exchanges instead of 6
+    exchange(0, 1);
+    exchange(2, 3);
+    exchange(0, 2);
+    exchange(1, 3);
+    exchange(1, 2);
+  } else {
 #pragma unroll
-  for (int i = 0; i < N; ++i) {
+    for (int i = 0; i < N; ++i) {
 #pragma unroll
-    for (int j = (i & 1); j + 1 < N; j += 2) {
-      const uint32_t hi = max(a[j], a[j + 1]), lo = min(a[j], a[j + 1]);
-      a[j] = hi;
-      a[j + 1] = lo;
+      for (int j = (i & 1); j + 1 < N; j += 2) exchange(j, j + 1);
     }
   }
 }
@@ -102,6 +111,11 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
   // at once; rows where that happened take rounds that count what they drop,
   // a run of equal values per round, as the CPU's MthLargest does.
   if (kUseMaxExtraction && max_top <= kMaxExtraction) {
+    // With 4 or more values per lane the last one is not zeroed when the lane
+    // drops its head: a lane would need all of them among the largest `top`
+    // (rare) to reach its stale last value, and such a lane ends with more
+    // drops than values, which sends the row to the recount below.
+    constexpr bool kZeroFill = E < 4;
     int drops[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
@@ -116,15 +130,51 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
       drops[r] += hit ? 1 : 0;
 #pragma unroll
       for (int i = 0; i + 1 < E; ++i) u[r][i] = hit ? u[r][i + 1] : u[r][i];
-      u[r][E - 1] = hit ? 0u : u[r][E - 1];
+      if constexpr (kZeroFill) u[r][E - 1] = hit ? 0u : u[r][E - 1];
+    };
+    // The same round without recording the value (all rounds but the last);
+    // for 4 values per lane the drop is 4 predicated instructions.
+    const auto drop_largest = [&](int r) {
+      if constexpr (E == 4 && !kZeroFill) {
+        const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);
+        asm("{\n\t.reg .pred p;\n\t"
+            "setp.eq.u32 p, %0, %5;\n\t"
+            "@p add.s32 %3, %3, 1;\n\t"
+            "@p mov.b32 %0, %1;\n\t"
+            "@p mov.b32 %1, %2;\n\t"
+            "@p mov.b32 %2, %4;\n\t}"
+            : "+r"(u[r][0]), "+r"(u[r][1]), "+r"(u[r][2]), "+r"(drops[r])
+            : "r"(u[r][3]), "r"(gm));
+        return;
+      }
+      take_largest(r);
     };
     bool same_top = true;
 #pragma unroll
     for (int r = 1; r < R; ++r) same_top = same_top && top[r] == top[0];
     if (same_top) {  // the usual case (a tile's rows share a kind): no per-row test per round
-      for (int it = 0; it < max_top; ++it) {
+      // Two rounds per iteration: the loop's own instructions are paid once
+      // per two. The last round, which records the value, is peeled.
+      int it = 0;
+      const int rounds = max_top - 1;
+#pragma unroll 1
+      for (; it + 2 <= rounds; it += 2) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) take_largest(r);
+        for (int r = 0; r < R; ++r) drop_largest(r);
+#pragma unroll
+        for (int r = 0; r < R; ++r) drop_largest(r);
+      }
+      if (it < rounds) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) drop_largest(r);
+      }
+      if (max_top > 0) {
+#pragma unroll
+        for (int r = 0; r < R; ++r) {
+          const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);
+          x[r] = gm;
+          drops[r] += u[r][0] == gm ? 1 : 0;
+        }
       }
     } else {
       for (int it = 0; it < max_top; ++it) {
@@ -138,7 +188,9 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
     bool wrong[R];
 #pragma unroll
     for (int r = 0; r < R; ++r) {
-      wrong[r] = top[r] > 0 && __reduce_add_sync(0xffffffffu, drops[r]) != top[r];
+      // A lane with more drops than values counts as a wrong row.
+      const int d = kZeroFill || drops[r] <= E ? drops[r] : D + 1;
+      wrong[r] = top[r] > 0 && __reduce_add_sync(0xffffffffu, d) != top[r];
       recount = recount || wrong[r];
     }
     if (recount) {  // warp-uniform; rare (equal values among the largest)
@@ -186,6 +238,45 @@ __device__ __forceinline__ int FloatToOrdered(float f) {
 }
 __device__ __forceinline__ float OrderedToFloat(int b) {
   return __int_as_float(b >= 0 ? b : b ^ 0x7fffffff);
+}
+
+// Quantize a lane's E clamped elements of one row with their groups' (min,
+// 1/scale) (loq / inv per group the lane holds part of) and pack the codes
+// (4 per byte). Code byte j holds elements j + k·D/4: for D >= 128 those are
+// the lane's own elements; for D = 64, lane j < 16 takes two of them from
+// lane j + 16 (every lane must call).
+template <int D, int G>
+__device__ __forceinline__ void QuantizePackWarp(const float (&y)[D / 32],
+                                                 const float (&loq)[(D / 32) / (G > 32 ? G / 32 : 1)],
+                                                 const float (&inv)[(D / 32) / (G > 32 ? G / 32 : 1)],
+                                                 uint8_t* codes_out, int lane) {
+  constexpr int E = D / 32;
+  constexpr int kPer = G > 32 ? G / 32 : 1;
+  uint32_t c[E];
+#pragma unroll
+  for (int i = 0; i < E; ++i) {
+    const int gl = i / kPer;
+    // Round to nearest even as rintf; NaN converts to 0 and out-of-range
+    // values saturate, so the clamp gives what clamping the float would.
+    const int q = __float2int_rn(__fmul_rn(__fsub_rn(y[i], loq[gl]), inv[gl]));
+    c[i] = static_cast<uint32_t>(min(max(q, 0), 3));
+  }
+  if constexpr (D >= 128) {
+    // Quarter k of byte j = element j + k·D/4 = lane + 32 i with i = k·E/4 + b.
+    constexpr int kBytes = E / 4;  // code bytes per lane: j = lane + 32 b
+#pragma unroll
+    for (int b = 0; b < kBytes; ++b) {
+      uint32_t byte = 0;
+#pragma unroll
+      for (int k = 0; k < 4; ++k) byte |= c[k * kBytes + b] << (2 * k);
+      codes_out[lane + 32 * b] = static_cast<uint8_t>(byte);
+    }
+  } else {
+    static_assert(D == 64, "D = 64: byte j < 16 holds elements j, j + 16, j + 32, j + 48");
+    const uint32_t mine = c[0] | (c[1] << 4);  // elements lane, lane + 32
+    const uint32_t upper = __shfl_down_sync(0xffffffffu, mine, 16);  // lane + 16, lane + 48
+    if (lane < 16) codes_out[lane] = static_cast<uint8_t>(mine | (upper << 2));
+  }
 }
 
 // Clamp to [-tau, tau], quantize and pack one rotated row held in shared
@@ -239,30 +330,84 @@ __device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out
           uint32_t(__half_as_ushort(s_h)) | (uint32_t(__half_as_ushort(lo_h)) << 16);
     }
   }
-  uint32_t c[E];
+  QuantizePackWarp<D, G>(y, loq, inv, codes_out, lane);
+}
+
+// Clamp, quantize and pack R rotated rows held in shared memory (rows with
+// use[k] false are computed and not stored); one warp. For G >= 32 a group's
+// min and max come from one warp reduction, so the group's scalar work
+// (range, scale, fp16 rounding, reciprocal) is done once, by lane t for group
+// t of the pass (row t / NG, group t % NG), and broadcast, instead of by all
+// 32 lanes. The same operations as QuantizeRowWarp, so the same bits.
+template <int D, int G, int R>
+__device__ void QuantizeRowsWarp(const float* const (&yrows)[R], const float (&tau)[R],
+                                 uint8_t* const (&codes_out)[R],
+                                 QuantParams* const (&params_out)[R], const bool (&use)[R],
+                                 int lane) {
+  if constexpr (G < 32) {
 #pragma unroll
-  for (int i = 0; i < E; ++i) {
-    const int gl = i / kPer;
-    // Round to nearest even as rintf; NaN converts to 0 and out-of-range
-    // values saturate, so the clamp gives what clamping the float would.
-    const int q = __float2int_rn(__fmul_rn(__fsub_rn(y[i], loq[gl]), inv[gl]));
-    c[i] = static_cast<uint32_t>(min(max(q, 0), 3));
-  }
-  if constexpr (D >= 128) {
-    // Quarter k of byte j = element j + k·D/4 = lane + 32 i with i = k·E/4 + b.
-    constexpr int kBytes = E / 4;  // code bytes per lane: j = lane + 32 b
-#pragma unroll
-    for (int b = 0; b < kBytes; ++b) {
-      uint32_t byte = 0;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) byte |= c[k * kBytes + b] << (2 * k);
-      codes_out[lane + 32 * b] = static_cast<uint8_t>(byte);
+    for (int k = 0; k < R; ++k) {
+      if (use[k]) QuantizeRowWarp<D, G>(yrows[k], tau[k], codes_out[k], params_out[k], lane);
     }
   } else {
-    static_assert(D == 64, "D = 64: byte j < 16 holds elements j, j + 16, j + 32, j + 48");
-    const uint32_t mine = c[0] | (c[1] << 4);  // elements lane, lane + 32
-    const uint32_t upper = __shfl_down_sync(0xffffffffu, mine, 16);  // lane + 16, lane + 48
-    if (lane < 16) codes_out[lane] = static_cast<uint8_t>(mine | (upper << 2));
+    constexpr int E = D / 32;
+    constexpr int kPer = G / 32;         // a lane's elements per group
+    constexpr int NG = E / kPer;         // groups per row (= D / G)
+    constexpr int T = R * NG;            // groups of the pass
+    static_assert(T <= 32, "a lane per group of the pass");
+    float y[R][E];
+    int mn_o[R][NG], mx_o[R][NG];  // each group's min and max, as ordered integers
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+#pragma unroll
+      for (int i = 0; i < E; ++i) y[k][i] = fminf(fmaxf(yrows[k][lane + 32 * i], -tau[k]), tau[k]);
+#pragma unroll
+      for (int gl = 0; gl < NG; ++gl) {
+        float mn = y[k][gl * kPer], mx = mn;
+#pragma unroll
+        for (int j = 1; j < kPer; ++j) {
+          mn = fminf(mn, y[k][gl * kPer + j]);
+          mx = fmaxf(mx, y[k][gl * kPer + j]);
+        }
+        mn_o[k][gl] = __reduce_min_sync(0xffffffffu, FloatToOrdered(mn));
+        mx_o[k][gl] = __reduce_max_sync(0xffffffffu, FloatToOrdered(mx));
+      }
+    }
+    // Lane t's group (lanes >= T compute group 0 again and store nothing).
+    int my_mn = mn_o[0][0], my_mx = mx_o[0][0];
+    QuantParams* my_params = params_out[0];
+    int my_group = 0;
+    bool my_use = use[0];
+#pragma unroll
+    for (int t = 1; t < T; ++t) {
+      if (lane == t) {
+        my_mn = mn_o[t / NG][t % NG];
+        my_mx = mx_o[t / NG][t % NG];
+        my_params = params_out[t / NG];
+        my_group = t % NG;
+        my_use = use[t / NG];
+      }
+    }
+    const float mn = OrderedToFloat(my_mn), mx = OrderedToFloat(my_mx);
+    const float sc = fmaxf(__fsub_rn(mx, mn), kMinRange) / 3.0f;
+    const __half s_h = __float2half_rn(sc), lo_h = __float2half_rn(mn);
+    const float sq = __half2float(s_h);
+    const float my_loq = __half2float(lo_h);
+    const float my_inv = sq > 0.0f ? 1.0f / sq : 0.0f;
+    if (lane < T && my_use) {  // one 32-bit store: scale in the low half, min in the high half
+      *reinterpret_cast<uint32_t*>(my_params + my_group) =
+          uint32_t(__half_as_ushort(s_h)) | (uint32_t(__half_as_ushort(lo_h)) << 16);
+    }
+#pragma unroll
+    for (int k = 0; k < R; ++k) {
+      float loq[NG], inv[NG];
+#pragma unroll
+      for (int gl = 0; gl < NG; ++gl) {
+        loq[gl] = __shfl_sync(0xffffffffu, my_loq, k * NG + gl);
+        inv[gl] = __shfl_sync(0xffffffffu, my_inv, k * NG + gl);
+      }
+      if (use[k]) QuantizePackWarp<D, G>(y[k], loq, inv, codes_out[k], lane);  // warp-uniform
+    }
   }
 }
 
@@ -424,12 +569,15 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
           top[k] = use[k] ? rows[i].top : 0;
         }
         ClipThresholdsWarp<D, kRows>(yr, top, tau, lane);
+        uint8_t* codes[kRows];
+        QuantParams* params[kRows];
 #pragma unroll
         for (int k = 0; k < kRows; ++k) {
-          if (!use[k]) continue;
-          const EncodeRow& er = rows[i0 + k * kEncodeWarps];
-          QuantizeRowWarp<D, G>(yr[k], tau[k], er.codes, er.params, lane);
+          const EncodeRow* er = use[k] ? &rows[i0 + k * kEncodeWarps] : nullptr;
+          codes[k] = er != nullptr ? er->codes : nullptr;
+          params[k] = er != nullptr ? er->params : nullptr;
         }
+        QuantizeRowsWarp<D, G, kRows>(yr, tau, codes, params, use, lane);
       }
       __syncthreads();
       // Mark the rows of this rotation done (after every warp has compared).

@@ -1,5 +1,5 @@
 // The encode kernels for head dims 64 and 128 (included by codec_kernels.cu
-// only, after the row helpers ClipThresholdsWarp / QuantizeRowWarp): the strip
+// only, after the row helpers ClipThresholdsWarp / QuantizeRowsWarp): the strip
 // kernel and the roles kernel, which run the same steps (TileSteps).
 //
 // Work: for each (kind, kv head), the rows (job, token) in tiles of M = 64.
@@ -34,8 +34,13 @@ namespace encode_strips {
 
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
-// Rows one warp clips and quantizes together, their reductions interleaved
-// (four: 800 µs against 817 µs for the 2048-page benchmark, within noise).
+// Rows one warp of the strip kernel clips and quantizes together, their
+// reductions interleaved. (At four, under this kernel's 128-register cap,
+// 948-1007 µs against 670 µs for the 2048-page benchmark, and ~45 of its 1 M
+// rows came out different from the roles and tiled kernels' in every run, with
+// the quantize code of sessions 12 and 13 alike: H200, 2026-11-30, RESULTS
+// run 17. Not explained; two rows per pass matches both kernels byte for
+// byte.)
 constexpr int kRowsPerPass = 2;
 
 template <int D>
@@ -351,11 +356,10 @@ struct TileSteps {
   }
 
   // Clip, quantize, pack the tile's rows: warp `qwarp` of `nq` takes rows
-  // qwarp, qwarp + nq, ..., kRowsPerPass at a time.
-  template <int G>
+  // qwarp, qwarp + nq, ..., R at a time.
+  template <int G, int R>
   static __device__ __forceinline__ void Quantize(const Row* trows, const float* ys, int qwarp,
                                                   int nq, int lane) {
-    constexpr int R = kRowsPerPass;
 #pragma unroll 1
     for (int i0 = qwarp; i0 < S::M; i0 += nq * R) {
       const float* yr[R];
@@ -370,12 +374,15 @@ struct TileSteps {
         top[k] = use[k] ? trows[i].top : 0;
       }
       ClipThresholdsWarp<D, R>(yr, top, tau, lane);
+      uint8_t* codes[R];
+      QuantParams* params[R];
 #pragma unroll
       for (int k = 0; k < R; ++k) {
-        if (!use[k]) continue;
-        const Row& er = trows[i0 + k * nq];
-        QuantizeRowWarp<D, G>(yr[k], tau[k], er.codes, er.params, lane);
+        const Row* er = use[k] ? &trows[i0 + k * nq] : nullptr;
+        codes[k] = er != nullptr ? er->codes : nullptr;
+        params[k] = er != nullptr ? er->params : nullptr;
       }
+      QuantizeRowsWarp<D, G, R>(yr, tau, codes, params, use, lane);
     }
   }
 };
@@ -424,7 +431,7 @@ __global__ void __launch_bounds__(kThreads, 2)
     __syncthreads();
     steps.template Multiply<1>(xs(b), rows[rb], row_unscale, ys, strip, warp, lane);
     __syncthreads();  // ys complete
-    steps.template Quantize<G>(rows[rb], ys, warp, kWarps, lane);
+    steps.template Quantize<G, kRowsPerPass>(rows[rb], ys, warp, kWarps, lane);
   }
 }
 
@@ -447,15 +454,17 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
 // thread's own accesses (racecheck clean; one arrive per warp after a
 // __syncwarp measured the same speed, but racecheck cannot follow it, nor
 // named barriers with bar.arrive).
-// Measured (H200, 2026-11-30, tests/bench/RESULTS.md run 16): 610 µs for
-// the 2048-page benchmark against 694 µs for the strip kernel; 8 and 12
-// quantizing warps took 826 and 716 µs (with R in registers). The kernel is
-// bound by instruction issue (0.71 per cycle and scheduler, both roles
-// sharing the schedulers): only fewer instructions per row make it faster.
+// Measured (H200, 2026-11-30, tests/bench/RESULTS.md runs 16 and 17): 541 µs
+// for the 2048-page benchmark against 670 µs for the strip kernel (610 µs
+// before run 17's leaner quantize and four rows per pass: 568 µs at two);
+// 8 and 12 quantizing warps took 826 and 716 µs in run 16 (with R in
+// registers). Since run 17 the quantizing warps wait for full buffers (~31
+// instructions per row of retries): the multiplying warps set the pace.
 // The math is the strip kernel's, step for step, so the pages are
 // byte-identical.
 namespace roles {
 constexpr int kQuantWarps = 16;
+constexpr int kRowsPerPass = 4;  // one pass per tile and quantizing warp
 constexpr int kThreads = encode_strips::kThreads + kQuantWarps * 32;
 constexpr int kMultiplyThreads = encode_strips::kThreads;  // warps 0-7
 constexpr int kMultiplyBarrier = 1;  // named barrier of the multiplying threads
@@ -508,8 +517,8 @@ __global__ void __launch_bounds__(roles::kThreads, 1)
 #pragma unroll 1
     for (int n = 0; n < tiles; ++n) {
       BarrierWait(&y_full[n & 1], (n >> 1) & 1);
-      TileSteps<D>::template Quantize<G>(rows[n % kRowSlots], ys(n & 1), qwarp, roles::kQuantWarps,
-                                         lane);
+      TileSteps<D>::template Quantize<G, roles::kRowsPerPass>(rows[n % kRowSlots], ys(n & 1),
+                                                              qwarp, roles::kQuantWarps, lane);
       BarrierArrive(&y_free[n & 1]);
     }
     return;

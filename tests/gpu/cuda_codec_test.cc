@@ -360,6 +360,96 @@ TEST_F(CudaCodecTest, RepeatedLargestValuesClipExactlyLikeTheCpu) {
   }
 }
 
+// Rows in which one lane of the quantizing warp holds all of its values among
+// the row's largest magnitudes: the clip search drops that lane's head once
+// per value and then meets a value it has already taken (it does not zero the
+// last one, for speed), which must send the row to the exact recount. With
+// the identity rotation y = x, so the pages must equal the CPU's byte for
+// byte, for every kernel that encodes the head dim. Lane L holds elements
+// L + 32 i; here they get the magnitudes 64 + 8 i (signs alternating), every
+// other element a distinct magnitude below 16. Clip ratios put the threshold
+// past those values (more rounds than the lane has values), exactly at its
+// last one, and before it.
+TEST_F(CudaCodecTest, ALaneHoldingAllOfTheLargestValuesClipsLikeTheCpu) {
+  for (const int dim : {64, 128, 256}) {
+    SCOPED_TRACE(testing::Message() << "D=" << dim);
+    const int E = dim / 32;
+    const PageGeometry geom{2, dim, dim, 32};
+    const int jobs = 6;
+    const size_t block_elems = geom.exact_block_bytes() / 2;
+    const size_t row_elems = geom.exact_row_elems();
+    std::vector<bf16_bits> blocks(block_elems * jobs);
+    for (int j = 0; j < jobs; ++j) {
+      for (int kind = 0; kind < 2; ++kind) {
+        for (int t = 0; t < geom.page_tokens; ++t) {
+          for (int h = 0; h < geom.kv_heads; ++h) {
+            bf16_bits* x = blocks.data() + j * block_elems + kind * size_t(geom.page_tokens) * row_elems +
+                           size_t(t) * row_elems + size_t(h) * dim;
+            const int lane = (t * 7 + h * 3 + kind + j) % 32;
+            for (int e = 0; e < dim; ++e) {
+              float v;
+              if (e % 32 == lane) {
+                const int i = e / 32;
+                v = (i % 2 == 0 ? 1.0f : -1.0f) * static_cast<float>(64 + 8 * i);
+              } else {
+                v = static_cast<float>((e * 37 + t) % dim) / 16.0f;  // distinct, < 16
+                if (e % 3 == 0) v = -v;
+              }
+              x[e] = FloatToBf16(v);
+            }
+          }
+        }
+      }
+    }
+    std::vector<float> eye(size_t(dim) * dim, 0.0f);
+    for (int i = 0; i < dim; ++i) eye[size_t(i) * dim + i] = 1.0f;
+    auto blocks_dev = Upload(*gpu_, blocks);
+    auto eye_dev = Upload(*gpu_, eye);
+    ASSERT_TRUE(blocks_dev.ok() && eye_dev.ok());
+    auto pages_dev = gpu_->Allocate(geom.page_bytes() * jobs);
+    ASSERT_TRUE(pages_dev.ok());
+    std::vector<uint8_t> cpu_pages(geom.page_bytes() * jobs, 0);
+    std::vector<EncodeJob> cpu_jobs(jobs), gpu_jobs(jobs);
+    // Thresholds from the top: E + 2 and E + 7 values (past the lane's E),
+    // exactly E, and E - 1 (K, V ratios per pair of jobs).
+    const auto ratio = [&](int top) { return static_cast<float>(dim - top + 1) / dim; };
+    const float clips[3][2] = {{ratio(E + 2), ratio(E + 7)}, {ratio(E), ratio(E)},
+                               {ratio(E - 1), ratio(E + 1)}};
+    for (int j = 0; j < jobs; ++j) {
+      const float ck = clips[j / 2][0], cv = clips[j / 2][1];
+      cpu_jobs[j] = EncodeJob{blocks.data() + j * block_elems,
+                              cpu_pages.data() + j * geom.page_bytes(),
+                              RotationRef{eye.data(), eye.data(), 0}, ck, cv};
+      gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + j * block_elems,
+                              pages_dev->as<uint8_t>() + j * geom.page_bytes(),
+                              RotationRef{eye_dev->as<float>(), eye_dev->as<float>(), 0}, ck, cv};
+    }
+    CpuBackend cpu(2);
+    ASSERT_TRUE(cpu.EncodePages(geom, cpu_jobs.data(), jobs).ok());
+    auto jobs_dev = Upload(*gpu_, gpu_jobs);
+    ASSERT_TRUE(jobs_dev.ok()) << jobs_dev.status();
+    std::vector<EncodeKernelChoice> choices = {EncodeKernelChoice::kAuto};
+    if (dim <= 128) {
+      choices.insert(choices.end(), {EncodeKernelChoice::kStrips, EncodeKernelChoice::kRoles,
+                                     EncodeKernelChoice::kTiled});
+    }
+    for (const EncodeKernelChoice choice : choices) {
+      SCOPED_TRACE(testing::Message() << "kernel choice " << static_cast<int>(choice));
+      const std::vector<uint8_t> poison(cpu_pages.size(), 0xC3);
+      ASSERT_TRUE(gpu_->CopyToDevice(pages_dev->data(), poison.data(), poison.size()).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the backend copies on its own stream
+      ASSERT_TRUE(
+          LaunchEncodePages(geom, jobs_dev->as<EncodeJob>(), jobs, nullptr, choice).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+      auto got = Download<uint8_t>(*gpu_, pages_dev->data(), cpu_pages.size());
+      ASSERT_TRUE(got.ok());
+      size_t differ = 0;
+      for (size_t i = 0; i < cpu_pages.size(); ++i) differ += cpu_pages[i] != (*got)[i];
+      EXPECT_EQ(differ, 0u) << "of " << cpu_pages.size() << " page bytes";
+    }
+  }
+}
+
 // A copy batch (Backend::BeginCopyBatch) as a decode step's fused appends
 // use it: many small row copies deferred into one driver call, with an
 // encode of some of the blocks in the middle (it must see their rows), and

@@ -271,6 +271,26 @@ int Main(int argc, char** argv) {
               roles_differing);
   if (roles_differing != 0) {  // the same math: any difference is a bug
     std::fprintf(stderr, "error: the roles kernel's pages differ from the strip kernel's\n");
+    // Where (the first few): page, head, K/V, token, and whether code or params.
+    int shown = 0;
+    for (size_t i = 0; i < roles_pages.size() && shown < 12; ++i) {
+      if (roles_pages[i] == strip_pages[i]) continue;
+      const size_t page = i / geom.page_bytes(), off = i % geom.page_bytes();
+      for (int h = 0; h < geom.kv_heads; ++h) {
+        for (int kind = 0; kind < 2; ++kind) {
+          const size_t co = geom.codes_offset(h, kind), po = geom.params_offset(h, kind);
+          const bool code = off >= co && off < po;
+          const bool param = off >= po && off < po + size_t(geom.page_tokens) * geom.groups() * 4;
+          if (!code && !param) continue;
+          const size_t rel = code ? off - co : off - po;
+          const size_t per_token = code ? geom.code_row_bytes() : size_t(geom.groups()) * 4;
+          std::fprintf(stderr, "  page %zu head %d %s token %zu %s byte %zu: roles %02x strip %02x\n",
+                       page, h, kind == 0 ? "K" : "V", rel / per_token, code ? "code" : "param",
+                       rel % per_token, roles_pages[i], strip_pages[i]);
+        }
+      }
+      ++shown;
+    }
     return 1;
   }
   // One demotion-sized call through the backend (job upload, launch, wait),
