@@ -112,9 +112,12 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
   // a run of equal values per round, as the CPU's MthLargest does.
   if (kUseMaxExtraction && max_top <= kMaxExtraction) {
     // With 4 or more values per lane the last one is not zeroed when the lane
-    // drops its head: a lane would need all of them among the largest `top`
-    // (rare) to reach its stale last value, and such a lane ends with more
-    // drops than values, which sends the row to the recount below.
+    // drops its head. A lane that has dropped all of them (rare: all among the
+    // row's `top` largest) keeps its last value as a stale head; if a round
+    // follows, that value is the round's largest again, the lane drops it a
+    // second time and ends with more drops than values, which sends the row
+    // to the recount below. (If no round follows, its last value was the
+    // answer.)
     constexpr bool kZeroFill = E < 4;
     int drops[R];
 #pragma unroll

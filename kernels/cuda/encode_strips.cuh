@@ -17,7 +17,8 @@
 //      changes (blocks walk contiguous tiles). y (the row scale undone) goes to
 //      shared memory;
 //   4. the rows are clipped, quantized and packed by one warp each (two at a
-//      time, their reductions interleaved).
+//      time in the strip kernel, four in the roles kernel, their reductions
+//      interleaved).
 // Strip kernel: blocks of 8 warps (two per SM), each warp doing 3 and 4, its
 // strip in registers. Roles kernel (the default at D = 128): one block of 24
 // warps per SM, 8 multiplying (step 3, strips in shared memory) and 16

@@ -365,16 +365,20 @@ TEST_F(CudaCodecTest, RepeatedLargestValuesClipExactlyLikeTheCpu) {
 // per value and then meets a value it has already taken (it does not zero the
 // last one, for speed), which must send the row to the exact recount. With
 // the identity rotation y = x, so the pages must equal the CPU's byte for
-// byte, for every kernel that encodes the head dim. Lane L holds elements
-// L + 32 i; here they get the magnitudes 64 + 8 i (signs alternating), every
-// other element a distinct magnitude below 16. Clip ratios put the threshold
-// past those values (more rounds than the lane has values), exactly at its
-// last one, and before it.
+// byte, for every kernel that encodes the head dim, with one group per row
+// and with groups of 32 (one lane per group computes its scale). Lane L holds
+// elements L + 32 i; here they get the magnitudes 64 + 8 i (signs
+// alternating), every other element a distinct magnitude below 16. Clip
+// ratios put the threshold past those values (more rounds than the lane has
+// values), exactly at its last one, and before it (at D 64 that is no
+// clipping); the jobs cycle through them, so that a 64-row tile (two jobs)
+// mixes thresholds in a pass.
 TEST_F(CudaCodecTest, ALaneHoldingAllOfTheLargestValuesClipsLikeTheCpu) {
-  for (const int dim : {64, 128, 256}) {
-    SCOPED_TRACE(testing::Message() << "D=" << dim);
+  for (const auto& [dim, group] : {std::pair{64, 64}, std::pair{64, 32}, std::pair{128, 128},
+                                   std::pair{128, 32}, std::pair{256, 256}, std::pair{256, 32}}) {
+    SCOPED_TRACE(testing::Message() << "D=" << dim << " G=" << group);
     const int E = dim / 32;
-    const PageGeometry geom{2, dim, dim, 32};
+    const PageGeometry geom{2, dim, group, 32};
     const int jobs = 6;
     const size_t block_elems = geom.exact_block_bytes() / 2;
     const size_t row_elems = geom.exact_row_elems();
@@ -411,12 +415,12 @@ TEST_F(CudaCodecTest, ALaneHoldingAllOfTheLargestValuesClipsLikeTheCpu) {
     std::vector<uint8_t> cpu_pages(geom.page_bytes() * jobs, 0);
     std::vector<EncodeJob> cpu_jobs(jobs), gpu_jobs(jobs);
     // Thresholds from the top: E + 2 and E + 7 values (past the lane's E),
-    // exactly E, and E - 1 (K, V ratios per pair of jobs).
+    // exactly E, and E - 1 and E + 1 (K, V ratios of jobs 3m, 3m + 1, 3m + 2).
     const auto ratio = [&](int top) { return static_cast<float>(dim - top + 1) / dim; };
     const float clips[3][2] = {{ratio(E + 2), ratio(E + 7)}, {ratio(E), ratio(E)},
                                {ratio(E - 1), ratio(E + 1)}};
     for (int j = 0; j < jobs; ++j) {
-      const float ck = clips[j / 2][0], cv = clips[j / 2][1];
+      const float ck = clips[j % 3][0], cv = clips[j % 3][1];
       cpu_jobs[j] = EncodeJob{blocks.data() + j * block_elems,
                               cpu_pages.data() + j * geom.page_bytes(),
                               RotationRef{eye.data(), eye.data(), 0}, ck, cv};

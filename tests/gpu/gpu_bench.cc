@@ -280,10 +280,10 @@ int Main(int argc, char** argv) {
         for (int kind = 0; kind < 2; ++kind) {
           const size_t co = geom.codes_offset(h, kind), po = geom.params_offset(h, kind);
           const bool code = off >= co && off < po;
-          const bool param = off >= po && off < po + size_t(geom.page_tokens) * geom.groups() * 4;
+          const bool param = off >= po && off < po + geom.params_bytes();
           if (!code && !param) continue;
           const size_t rel = code ? off - co : off - po;
-          const size_t per_token = code ? geom.code_row_bytes() : size_t(geom.groups()) * 4;
+          const size_t per_token = code ? geom.code_row_bytes() : geom.param_row_bytes();
           std::fprintf(stderr, "  page %zu head %d %s token %zu %s byte %zu: roles %02x strip %02x\n",
                        page, h, kind == 0 ? "K" : "V", rel / per_token, code ? "code" : "param",
                        rel % per_token, roles_pages[i], strip_pages[i]);
