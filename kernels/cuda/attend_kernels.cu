@@ -3,7 +3,6 @@
 // (attend_merge.cuh). Host planning lives in attend_launcher.cu.
 #include "kernels/cuda/attend_launch.h"
 
-#include <atomic>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -167,7 +166,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         }
         hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
       }
-      WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
     } else {
       typename Warp::Regs ra, rb;
       if constexpr (kPipeline) {
@@ -236,8 +234,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
         }
       }
-      WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
     }
+    WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
   }
   if (has_exact) {
     if (has_history) {
@@ -324,7 +322,7 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // shapes run 3) at 3 / 4 blocks per SM; 8 / 9 = 6 / 7 with 16-bit P';
 // 10 = 8 fed by a ring of kRingStages shared-memory stages per warp (bulk
 // copies; other shapes run 3).
-constexpr int kLastVariant = 10;
+constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
   return variant >= 6 && variant <= kLastVariant && head_dim == 128 && groups == 1 && !g8;
@@ -360,14 +358,13 @@ auto SplitKernelFor(int variant) {
 
 // The split kernel of `variant` for this shape and its dynamic shared
 // memory (the stage ring's, for variant 10 on its shape). The ring of 4
-// stages takes 36 KB per block, under the default 48 KB limit; the carveout
-// is set to favour shared memory once (a driver call: cheap, not free).
+// stages takes 36 KB per block, under the default 48 KB limit.
 struct SplitLaunch {
   void (*kernel)(LaunchArgs);
   size_t dynamic_smem;
 };
 template <int D, int NG, bool G8>
-absl::StatusOr<SplitLaunch> SplitLaunchFor(int variant) {
+SplitLaunch SplitLaunchFor(int variant) {
   SplitLaunch l{SplitKernelFor<D, NG, G8>(variant), 0};
   if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variant 10 runs on
     if (variant != 10) return l;
@@ -377,13 +374,6 @@ absl::StatusOr<SplitLaunch> SplitLaunchFor(int variant) {
     static_assert(Ring::kBlockBytes + kStaticBytes <= 48 * 1024,
                   "above 48 KB needs the dynamic smem attribute");
     l.dynamic_smem = Ring::kBlockBytes;
-    static std::atomic<bool> carveout_set{false};
-    if (!carveout_set.load(std::memory_order_acquire)) {
-      constexpr cudaFuncAttribute kCarveout = cudaFuncAttributePreferredSharedMemoryCarveout;
-      OSCARKV_CUDA_RETURN_IF_ERROR(
-          cudaFuncSetAttribute(l.kernel, kCarveout, cudaSharedmemCarveoutMaxShared));
-      carveout_set.store(true, std::memory_order_release);
-    }
   }
   return l;
 }
@@ -398,7 +388,7 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
   PrepKernel<D, G8><<<dim3(static_cast<unsigned>(heads)), PrepThreads(D), 0, stream>>>(a);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (s.stages >= 2 && s.num_work > 0) {
-    OSCARKV_ASSIGN_OR_RETURN(const SplitLaunch split, (SplitLaunchFor<D, NG, G8>(s.variant)));
+    const SplitLaunch split = SplitLaunchFor<D, NG, G8>(s.variant);
     OSCARKV_RETURN_IF_ERROR(LaunchPdl(split.kernel, dim3(s.num_work), dim3(kThreads), stream, a,
                                       split.dynamic_smem));
   }
@@ -410,10 +400,18 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
   return absl::OkStatus();
 }
 
+// Asked by AttendLauncher::Prepare once per kernel, on the launcher's device,
+// before any launch of that kernel there: a kernel with a stage ring first
+// gets its carveout set to favour shared memory (a per-device attribute).
 template <int D, int NG, bool G8>
 absl::StatusOr<int> BlocksPerSmTyped(const LaunchShape& s) {
   int blocks = 0;
-  OSCARKV_ASSIGN_OR_RETURN(const SplitLaunch split, (SplitLaunchFor<D, NG, G8>(s.variant)));
+  const SplitLaunch split = SplitLaunchFor<D, NG, G8>(s.variant);
+  if (split.dynamic_smem > 0) {
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+        split.kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+        cudaSharedmemCarveoutMaxShared));
+  }
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &blocks, split.kernel, kThreads, split.dynamic_smem));
   return blocks;
@@ -457,7 +455,7 @@ absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(Bl
 }  // namespace cuda_attend
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {
-  return variant >= 8 && variant <= cuda_attend::kLastVariant && group_size > 0 &&
+  return variant >= 8 && group_size > 0 &&
          cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
 }
 }  // namespace oscarkv

@@ -283,51 +283,37 @@ __device__ __forceinline__ void QuantizePackWarp(const float (&y)[D / 32],
 }
 
 // Clamp to [-tau, tau], quantize and pack one rotated row held in shared
-// memory; one warp, group size G a compile-time power of two. Lane owns
-// elements lane + 32 i. Each group's (scale, min) is computed once per lane
-// that holds part of it (hardware fp16 conversion, round to nearest even: the
-// same bits as the CPU's FloatToFp16 for finite values). Code byte j holds
-// elements j + k·D/4: for D >= 128 those are the lane's own elements; for
-// D = 64, lane j < 16 takes two of them from lane j + 16.
+// memory; one warp, a group size G < 32 (a compile-time power of two: a
+// group's min and max come from log2 G shuffle steps; QuantizeRowsWarp takes
+// G >= 32). Lane owns elements lane + 32 i, each in its own group, whose
+// (scale, min) every lane computes (hardware fp16 conversion, round to nearest
+// even: the same bits as the CPU's FloatToFp16 for finite values) and the
+// group's first lane stores.
 template <int D, int G>
 __device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out,
                                 QuantParams* params_out, int lane) {
   constexpr int E = D / 32;
-  constexpr int kPer = G > 32 ? G / 32 : 1;  // a lane's elements per group (G >= 32)
-  constexpr int kLaneGroups = E / kPer;     // groups a lane holds part of
-  static_assert(G >= 4 && G <= D && (G & (G - 1)) == 0, "G: a power of two dividing D");
+  static_assert(G >= 4 && G < 32 && (G & (G - 1)) == 0, "G: a power of two below 32");
   float y[E];
 #pragma unroll
   for (int i = 0; i < E; ++i) y[i] = fminf(fmaxf(yrow[lane + 32 * i], -tau), tau);
 
-  float loq[kLaneGroups], inv[kLaneGroups];
+  float loq[E], inv[E];
 #pragma unroll
-  for (int gl = 0; gl < kLaneGroups; ++gl) {
-    float mn = y[gl * kPer], mx = mn;
+  for (int i = 0; i < E; ++i) {
+    float mn = y[i], mx = mn;
 #pragma unroll
-    for (int j = 1; j < kPer; ++j) {
-      mn = fminf(mn, y[gl * kPer + j]);
-      mx = fmaxf(mx, y[gl * kPer + j]);
-    }
-    if constexpr (G >= 32) {
-      // The group spans the whole warp: one integer min / max reduction each,
-      // on float bits mapped to integers of the same order.
-      mn = OrderedToFloat(__reduce_min_sync(0xffffffffu, FloatToOrdered(mn)));
-      mx = OrderedToFloat(__reduce_max_sync(0xffffffffu, FloatToOrdered(mx)));
-    } else {
-#pragma unroll
-      for (int off = G / 2; off >= 1; off >>= 1) {
-        mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
-      }
+    for (int off = G / 2; off >= 1; off >>= 1) {
+      mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     }
     const float sc = fmaxf(__fsub_rn(mx, mn), kMinRange) / 3.0f;
     const __half s_h = __float2half_rn(sc), lo_h = __float2half_rn(mn);
     const float sq = __half2float(s_h);
-    loq[gl] = __half2float(lo_h);
-    inv[gl] = sq > 0.0f ? 1.0f / sq : 0.0f;
-    // Element lane + 32 i (i = gl·kPer) is its group's first on one lane only.
-    const int e = lane + 32 * gl * kPer;
+    loq[i] = __half2float(lo_h);
+    inv[i] = sq > 0.0f ? 1.0f / sq : 0.0f;
+    // Element lane + 32 i is its group's first on one lane only.
+    const int e = lane + 32 * i;
     if (e % G == 0) {  // one 32-bit store: scale in the low half, min in the high half
       *reinterpret_cast<uint32_t*>(params_out + e / G) =
           uint32_t(__half_as_ushort(s_h)) | (uint32_t(__half_as_ushort(lo_h)) << 16);
