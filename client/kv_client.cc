@@ -64,8 +64,14 @@ std::unique_ptr<grpc::ClientContext> KvClient::NewContext(Clock::time_point dead
   return ctx;
 }
 
-bool KvClient::RetryFits(Clock::time_point deadline, std::chrono::milliseconds backoff) {
-  return Clock::now() + backoff + kMinRetryTime <= deadline;
+bool KvClient::BackOff(int attempt, Clock::time_point deadline,
+                       std::chrono::milliseconds* backoff) const {
+  if (attempt >= options_.max_attempts || Clock::now() + *backoff + kMinRetryTime > deadline) {
+    return false;
+  }
+  std::this_thread::sleep_for(*backoff);
+  *backoff *= 2;
+  return true;
 }
 
 absl::Status KvClient::WithRetry(bool read_only,
@@ -80,13 +86,11 @@ absl::Status KvClient::WithRetry(bool read_only,
     for (int attempt = 1;; ++attempt) {
       const Clock::time_point wait_until = std::min(deadline, Clock::now() + backoff * 4);
       if (channel_->WaitForConnected(wait_until)) break;
-      if (attempt >= options_.max_attempts || !RetryFits(deadline, backoff)) {
+      if (!BackOff(attempt, deadline, &backoff)) {
         return absl::UnavailableError(absl::StrCat("cannot connect to ", target_, " after ",
                                                    attempt, " attempts within the ",
                                                    options_.deadline.count(), " ms deadline"));
       }
-      std::this_thread::sleep_for(backoff);
-      backoff *= 2;
     }
     return FromGrpcStatus(call(*NewContext(deadline)));
   }
@@ -95,13 +99,11 @@ absl::Status KvClient::WithRetry(bool read_only,
     status = call(*NewContext(deadline));
     const bool retryable = status.error_code() == grpc::StatusCode::UNAVAILABLE;
     if (!retryable || attempt >= options_.max_attempts) break;
-    if (!RetryFits(deadline, backoff)) {
+    if (!BackOff(attempt, deadline, &backoff)) {
       return absl::UnavailableError(absl::StrCat(
           status.error_message(), " (attempt ", attempt, "; too little of the ",
           options_.deadline.count(), " ms deadline left to retry)"));
     }
-    std::this_thread::sleep_for(backoff);
-    backoff *= 2;
   }
   return FromGrpcStatus(status);
 }

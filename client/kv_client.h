@@ -221,9 +221,11 @@ class KvClient {
   // When a call starting now must end: now + options_.deadline.
   Clock::time_point CallDeadline() const;
   static std::unique_ptr<grpc::ClientContext> NewContext(Clock::time_point deadline);
-  // Whether a retry after sleeping `backoff` still has a useful part of the
-  // call's `deadline` left (kMinRetryTime in kv_client.cc).
-  static bool RetryFits(Clock::time_point deadline, std::chrono::milliseconds backoff);
+  // Between attempt `attempt` and the next of one call: if another is allowed
+  // (fewer than options_.max_attempts so far, and after sleeping *backoff a
+  // useful part of the call's `deadline` left: kMinRetryTime in
+  // kv_client.cc), sleeps *backoff, doubles it and returns true; else false.
+  bool BackOff(int attempt, Clock::time_point deadline, std::chrono::milliseconds* backoff) const;
   // Runs `call` (one attempt, on a fresh context with the call's deadline)
   // with the retry rule of the header comment, all attempts within one
   // CallDeadline().

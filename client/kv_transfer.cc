@@ -1,7 +1,6 @@
 // The streaming calls of KvClient: PutKv, GetKv and Attend.
 #include <algorithm>
 #include <cstring>
-#include <thread>
 
 #include "absl/strings/str_cat.h"
 #include "client/kv_chunk.h"
@@ -147,12 +146,10 @@ absl::StatusOr<std::unique_ptr<PutStream>> KvClient::OpenPut(const std::string& 
     // The header could not be sent: nothing reached the server.
     s->done_ = true;
     const grpc::Status status = s->writer_->Finish();
-    if (status.error_code() != grpc::StatusCode::UNAVAILABLE || attempt >= options_.max_attempts ||
-        !RetryFits(deadline, backoff)) {
+    if (status.error_code() != grpc::StatusCode::UNAVAILABLE ||
+        !BackOff(attempt, deadline, &backoff)) {
       return FromGrpcStatus(status);
     }
-    std::this_thread::sleep_for(backoff);
-    backoff *= 2;
   }
 }
 

@@ -198,7 +198,6 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse>,
       return;
     }
     svc_->stream_watchdog().Add(this);
-    watched_ = true;
     WriteNext();
   }
 
@@ -222,7 +221,7 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse>,
   }
 
   void OnDone() override {
-    if (watched_) svc_->stream_watchdog().Remove(this);
+    svc_->stream_watchdog().Remove(this);  // a no-op if Init failed before Add
     delete this;
   }
 
@@ -432,7 +431,6 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse>,
   grpc::CallbackServerContext* ctx_;
   const Clock::time_point start_;
   const v1::GetKvRequest request_;
-  bool watched_ = false;  // registered with the stream watchdog
   std::mutex mu_;
   bool writing_ ABSL_GUARDED_BY(mu_) = false;  // a write is pending
   Clock::time_point write_since_ ABSL_GUARDED_BY(mu_);

@@ -70,7 +70,6 @@ class ModelRegistry {
   // NOT_FOUND naming the model and the registered names.
   absl::StatusOr<std::shared_ptr<const ModelEntry>> Find(const std::string& name) const;
   std::vector<std::shared_ptr<const ModelEntry>> List() const;  // by name
-  int max_models() const { return max_models_; }
 
  private:
   absl::Status CheckRegistrableLocked(const std::string& name, bool replace) const
