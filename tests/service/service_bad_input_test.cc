@@ -102,9 +102,7 @@ TEST_F(BadInput, DuplicateSequenceIdIsAlreadyExists) {
   ASSERT_TRUE(first.ok());
   ASSERT_TRUE((*first)->Write(0, 0, 4, data_.k_at(0, 0), data_.v_at(0, 0)).ok());
   // Wait until the server has taken the first stream's header.
-  for (int i = 0; i < 200 && ts_.server->store().Stats().ingesting == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitUntil([&] { return ts_.server->store().Stats().ingesting != 0; }, std::chrono::seconds(1));
   ASSERT_EQ(ts_.server->store().Stats().ingesting, 1);
   ExpectStatus(RawPut(*ts_.client, {Header("dup2"), Chunk(data_, 0, 0, 4)}),
                grpc::StatusCode::ALREADY_EXISTS, "being ingested");
@@ -389,9 +387,7 @@ TEST_F(BadInput, ReplacingAModelWhileASequenceOfItIsIngestedIsRefused) {
   auto stream = ts_.client->OpenPut("ingesting", kTinyModel, TinyLayout(), false, 40);
   ASSERT_TRUE(stream.ok()) << stream.status();
   ASSERT_TRUE((*stream)->Write(0, 0, 40, data_.k_at(0, 0), data_.v_at(0, 0)).ok());
-  for (int i = 0; i < 200 && ts_.server->store().Stats().ingesting == 0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitUntil([&] { return ts_.server->store().Stats().ingesting != 0; }, std::chrono::seconds(1));
   ASSERT_EQ(ts_.server->store().Stats().ingesting, 1);
   ExpectStatus(ts_.client->LoadCalibration(TinyHadamardRequest(kTinyModel, true)).status(),
                absl::StatusCode::kFailedPrecondition, "1 sequence(s) being ingested");

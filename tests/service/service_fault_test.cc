@@ -71,7 +71,8 @@ TEST(Fault, FusedAppendsWhoseCopyBatchFailsLeaveTheirSequencesUnusable) {
   CopyBatchFailsBackend backend;
   const ModelLayout layout = TinyLayout();
   TinyStore tiny;
-  ASSERT_TRUE(MakeTinyStore(backend, &tiny).ok());
+  const absl::Status made = MakeTinyStore(backend, &tiny);
+  ASSERT_TRUE(made.ok()) << made;
   SequenceStore& store = *tiny.store;
   const KvData data = MakeKv(layout, 40, 3);
   for (const char* id : {"a", "b"}) ASSERT_TRUE(IngestAll(store, id, data).ok());
@@ -115,9 +116,8 @@ TEST(Fault, CancelledPutLeavesNoSequenceAndNoPages) {
   ASSERT_TRUE((*stream)->Write(0, 0, 100, data.k_at(0, 0), data.v_at(0, 0)).ok());
   ASSERT_TRUE((*stream)->Write(1, 0, 50, data.k_at(1, 0), data.v_at(1, 0)).ok());
   // Wait until the server holds the partial stream's pages, then cancel.
-  for (int i = 0; i < 100 && ts.client->Info()->pool().free_bytes() == free0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
+  WaitUntil([&] { return ts.client->Info()->pool().free_bytes() != free0; },
+            std::chrono::seconds(1));
   EXPECT_LT(ts.client->Info()->pool().free_bytes(), free0);
   (*stream)->Cancel();
   EXPECT_EQ(WaitForFree(*ts.client, free0), free0);
@@ -237,7 +237,8 @@ TEST(Fault, DropReportsTheBytesFreedWhenTheLastReaderReleasesMeanwhile) {
   GatedAttendBackend backend;
   const ModelLayout layout = TinyLayout();
   TinyStore tiny;
-  ASSERT_TRUE(MakeTinyStore(backend, &tiny).ok());
+  const absl::Status made = MakeTinyStore(backend, &tiny);
+  ASSERT_TRUE(made.ok()) << made;
   SequenceStore& store = *tiny.store;
   const KvData data = MakeKv(layout, 100, 12);
   const std::vector<float> q = RandomQuery(layout, 13);
@@ -248,11 +249,14 @@ TEST(Fault, DropReportsTheBytesFreedWhenTheLastReaderReleasesMeanwhile) {
     const int64_t held = free0 - store.Stats().pool_free_bytes;
     ASSERT_GT(held, 0);
     backend.Close();
+    // Acquired here: a failure must not leave WaitForAnAttend waiting for an
+    // Attend that never comes.
+    auto handle = store.Acquire(id);
+    ASSERT_TRUE(handle.ok()) << handle.status();
     std::thread reader([&] {
-      auto handle = store.Acquire(id);
-      ASSERT_TRUE(handle.ok()) << handle.status();
+      SequenceHandle h = std::move(*handle);
       std::vector<float> out(q.size());
-      EXPECT_TRUE(store.Attend(*handle, 0, q.data(), nullptr, nullptr, -1, out.data(), nullptr,
+      EXPECT_TRUE(store.Attend(h, 0, q.data(), nullptr, nullptr, -1, out.data(), nullptr,
                                nullptr).ok());
     });  // the handle is released right after the Attend
     backend.WaitForAnAttend();

@@ -9,6 +9,7 @@
 #include <cstdlib>
 #include <memory>
 #include <random>
+#include <sstream>
 #include <string>
 #include <thread>
 #include <vector>
@@ -25,6 +26,7 @@
 #include "kernels/reference.h"
 #include "kernels/status_macros.h"
 #include "prometheus/registry.h"
+#include "prometheus/text_serializer.h"
 #include "server/calibration_reader.h"
 #include "server/oscarkv_server.h"
 
@@ -139,6 +141,25 @@ struct TestServer {
     client = KvClient::Create(server->address(), client_options);
   }
 };
+
+// Polls `done` every 5 ms until it holds or `limit` has passed; whether it
+// held.
+template <typename Pred>
+bool WaitUntil(Pred done, std::chrono::milliseconds limit) {
+  const auto until = std::chrono::steady_clock::now() + limit;
+  while (!done()) {
+    if (std::chrono::steady_clock::now() >= until) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+// The server's metrics as Prometheus scrapes them (text format).
+inline std::string Scrape(OscarkvServer& server) {
+  std::ostringstream out;
+  prometheus::TextSerializer().Serialize(out, server.collectable()->Collect());
+  return out.str();
+}
 
 // Waits (up to 5 s) until the pool's free bytes equal `want` (a stream's
 // cleanup runs when the server notices its end) and returns the last seen.

@@ -9,7 +9,6 @@
 
 #include "gmock/gmock.h"
 #include "grpcpp/create_channel.h"
-#include "prometheus/text_serializer.h"
 #include "service_fixture.h"
 
 namespace oscarkv::testing {
@@ -28,12 +27,6 @@ ServerOptions IdleLimitedOptions(size_t pool_bytes = size_t{8} << 20) {
   return o;
 }
 
-std::string Scrape(OscarkvServer& server) {
-  std::ostringstream out;
-  prometheus::TextSerializer().Serialize(out, server.collectable()->Collect());
-  return out.str();
-}
-
 TEST(IdleStream, StalledPutIsAbortedAndFreesItsSlotsAndId) {
   TestServer ts(IdleLimitedOptions());
   ASSERT_NE(ts.client, nullptr);
@@ -43,9 +36,8 @@ TEST(IdleStream, StalledPutIsAbortedAndFreesItsSlotsAndId) {
   ASSERT_TRUE(stream.ok()) << stream.status();
   ASSERT_TRUE((*stream)->Write(0, 0, 60, data.k_at(0, 0), data.v_at(0, 0)).ok());
   // The server holds the partial layer; the client then sends nothing more.
-  for (int i = 0; i < 100 && ts.client->Info()->pool().free_bytes() == free0; ++i) {
-    std::this_thread::sleep_for(std::chrono::milliseconds(5));
-  }
+  WaitUntil([&] { return ts.client->Info()->pool().free_bytes() != free0; },
+            std::chrono::milliseconds(500));
   EXPECT_LT(ts.client->Info()->pool().free_bytes(), free0);
   EXPECT_EQ(WaitForFree(*ts.client, free0), free0);
   EXPECT_EQ(ts.server->store().Stats().ingesting, 0);

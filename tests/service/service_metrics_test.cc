@@ -6,18 +6,11 @@
 #include <sstream>
 
 #include "gmock/gmock.h"
-#include "prometheus/text_serializer.h"
 #include "service_fixture.h"
 #include "tests/temp_path.h"
 
 namespace oscarkv::testing {
 namespace {
-
-std::string Scrape(OscarkvServer& server) {
-  std::ostringstream out;
-  prometheus::TextSerializer().Serialize(out, server.collectable()->Collect());
-  return out.str();
-}
 
 // The value of the sample `series` (name plus labels sorted by name, exactly
 // as exposed), or NaN when absent.
