@@ -83,6 +83,13 @@ done
 
 if [ "$quick" = 1 ] && [ "${SKIP_BENCH:-0}" != 1 ]; then bench; fi
 
+# The encode's roles kernel: its two roles hand y buffers over on mbarriers.
+roles_test=CudaCodecTest.RolesKernelWritesTheStripKernelsBytes
+sanitizer_summary() {
+  for f in "$out"/sanitizer_*.log; do
+    echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"
+  done
+}
 if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   cs="timeout 50 compute-sanitizer"
   run sanitizer_memcheck_attend $cs --tool memcheck --error-exitcode 9 \
@@ -96,12 +103,11 @@ if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-san
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2:*D128_g1_groups1'
   run sanitizer_memcheck_codec $cs --tool memcheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test"
-  # The encode's roles kernel: its two roles hand y buffers over on mbarriers.
   run sanitizer_racecheck_codec_roles $cs --tool racecheck --error-exitcode 9 \
-    "$bundle/bin/cuda_codec_test" --gtest_filter='CudaCodecTest.RolesKernelWritesTheStripKernelsBytes'
+    "$bundle/bin/cuda_codec_test" --gtest_filter="$roles_test"
   run sanitizer_synccheck_codec_roles $cs --tool synccheck --error-exitcode 9 \
-    "$bundle/bin/cuda_codec_test" --gtest_filter='CudaCodecTest.RolesKernelWritesTheStripKernelsBytes'
-  for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
+    "$bundle/bin/cuda_codec_test" --gtest_filter="$roles_test"
+  sanitizer_summary
 elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null; then
   run sanitizer_memcheck_codec compute-sanitizer --tool memcheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test"
@@ -114,12 +120,12 @@ elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null
   run sanitizer_memcheck_attend_v4 env OSCARKV_CUDA_ATTEND_VARIANT=4 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
   run sanitizer_racecheck_codec timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
-    "$bundle/bin/cuda_codec_test" --gtest_filter='*Encode*:CudaCodecTest.RolesKernelWritesTheStripKernelsBytes'
+    "$bundle/bin/cuda_codec_test" --gtest_filter="*Encode*:$roles_test"
   run sanitizer_synccheck_codec_roles timeout 150 compute-sanitizer --tool synccheck --error-exitcode 9 \
-    "$bundle/bin/cuda_codec_test" --gtest_filter='CudaCodecTest.RolesKernelWritesTheStripKernelsBytes'
+    "$bundle/bin/cuda_codec_test" --gtest_filter="$roles_test"
   run sanitizer_initcheck_attend compute-sanitizer --tool initcheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2'
-  for f in "$out"/sanitizer_*.log; do echo "$(basename "$f"): $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' "$f" | tail -1)"; done
+  sanitizer_summary
 fi
 
 if [ "$quick" != 1 ] && [ "${SKIP_BENCH:-0}" != 1 ]; then bench; fi
