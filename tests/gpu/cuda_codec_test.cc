@@ -316,6 +316,60 @@ TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytesOverManyTilesPerBlock
   }
 }
 
+// Encodes `blocks` (`jobs` exact blocks of `geom`) with the identity rotation,
+// so y = x exactly on both backends, and the clip ratios ratios(j) = {K, V}
+// of job j, on the CPU and on the GPU with each kernel in `choices` (kAuto
+// through Backend::EncodePages, as the server calls it; the others through
+// LaunchEncodePages), each over a poison, and expects the CPU's pages byte
+// for byte.
+template <typename Ratios>
+void ExpectIdentityPagesEqualCpu(Backend& gpu, const PageGeometry& geom,
+                                 const std::vector<bf16_bits>& blocks, int jobs, Ratios ratios,
+                                 const std::vector<EncodeKernelChoice>& choices) {
+  const int dim = geom.head_dim;
+  const size_t block_elems = geom.exact_block_bytes() / 2;
+  std::vector<float> eye(size_t(dim) * dim, 0.0f);
+  for (int i = 0; i < dim; ++i) eye[size_t(i) * dim + i] = 1.0f;
+  auto blocks_dev = Upload(gpu, blocks);
+  auto eye_dev = Upload(gpu, eye);
+  ASSERT_TRUE(blocks_dev.ok() && eye_dev.ok());
+  auto pages_dev = gpu.Allocate(geom.page_bytes() * jobs);
+  ASSERT_TRUE(pages_dev.ok());
+  std::vector<uint8_t> cpu_pages(geom.page_bytes() * jobs, 0);
+  std::vector<EncodeJob> cpu_jobs(jobs), gpu_jobs(jobs);
+  for (int j = 0; j < jobs; ++j) {
+    const auto [ck, cv] = ratios(j);
+    cpu_jobs[j] = EncodeJob{blocks.data() + j * block_elems,
+                            cpu_pages.data() + j * geom.page_bytes(),
+                            RotationRef{eye.data(), eye.data(), 0}, ck, cv};
+    gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + j * block_elems,
+                            pages_dev->as<uint8_t>() + j * geom.page_bytes(),
+                            RotationRef{eye_dev->as<float>(), eye_dev->as<float>(), 0}, ck, cv};
+  }
+  CpuBackend cpu(2);
+  ASSERT_TRUE(cpu.EncodePages(geom, cpu_jobs.data(), jobs).ok());
+  auto jobs_dev = Upload(gpu, gpu_jobs);
+  ASSERT_TRUE(jobs_dev.ok()) << jobs_dev.status();
+  for (const EncodeKernelChoice choice : choices) {
+    SCOPED_TRACE(testing::Message() << "kernel choice " << static_cast<int>(choice));
+    const std::vector<uint8_t> poison(cpu_pages.size(), 0xC3);
+    ASSERT_TRUE(gpu.CopyToDevice(pages_dev->data(), poison.data(), poison.size()).ok());
+    if (choice == EncodeKernelChoice::kAuto) {
+      ASSERT_TRUE(gpu.EncodePages(geom, gpu_jobs.data(), jobs).ok());
+    } else {
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the backend copies on its own stream
+      ASSERT_TRUE(
+          LaunchEncodePages(geom, jobs_dev->as<EncodeJob>(), jobs, nullptr, choice).ok());
+      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
+    }
+    auto got = Download<uint8_t>(gpu, pages_dev->data(), cpu_pages.size());
+    ASSERT_TRUE(got.ok());
+    size_t differ = 0;
+    for (size_t i = 0; i < cpu_pages.size(); ++i) differ += cpu_pages[i] != (*got)[i];
+    EXPECT_EQ(differ, 0u) << "of " << cpu_pages.size() << " page bytes";
+  }
+}
+
 // Rows whose largest magnitudes repeat (small integers, identity rotation, so
 // y = x exactly on both backends): the GPU's fast clip search, which drops
 // every holder of the current maximum per round, must notice the repeats and
@@ -330,33 +384,10 @@ TEST_F(CudaCodecTest, RepeatedLargestValuesClipExactlyLikeTheCpu) {
     std::uniform_int_distribution<int> small(-3, 3);
     std::vector<bf16_bits> blocks(block_elems * jobs);
     for (auto& v : blocks) v = FloatToBf16(static_cast<float>(small(rng)));
-    std::vector<float> eye(size_t(dim) * dim, 0.0f);
-    for (int i = 0; i < dim; ++i) eye[size_t(i) * dim + i] = 1.0f;
-    auto blocks_dev = Upload(*gpu_, blocks);
-    auto eye_dev = Upload(*gpu_, eye);
-    ASSERT_TRUE(blocks_dev.ok() && eye_dev.ok());
-    auto pages_dev = gpu_->Allocate(geom.page_bytes() * jobs);
-    ASSERT_TRUE(pages_dev.ok());
-    std::vector<uint8_t> cpu_pages(geom.page_bytes() * jobs, 0);
-    std::vector<EncodeJob> cpu_jobs(jobs), gpu_jobs(jobs);
-    for (int j = 0; j < jobs; ++j) {
-      // Clip ranks 13 and 20 from the top (D = 128), 7 and 10 (D = 64).
-      const float ck = 0.9f, cv = 0.85f;
-      cpu_jobs[j] = EncodeJob{blocks.data() + j * block_elems,
-                              cpu_pages.data() + j * geom.page_bytes(),
-                              RotationRef{eye.data(), eye.data(), 0}, ck, cv};
-      gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + j * block_elems,
-                              pages_dev->as<uint8_t>() + j * geom.page_bytes(),
-                              RotationRef{eye_dev->as<float>(), eye_dev->as<float>(), 0}, ck, cv};
-    }
-    CpuBackend cpu(2);
-    ASSERT_TRUE(cpu.EncodePages(geom, cpu_jobs.data(), jobs).ok());
-    ASSERT_TRUE(gpu_->EncodePages(geom, gpu_jobs.data(), jobs).ok());
-    auto got = Download<uint8_t>(*gpu_, pages_dev->data(), cpu_pages.size());
-    ASSERT_TRUE(got.ok());
-    size_t differ = 0;
-    for (size_t i = 0; i < cpu_pages.size(); ++i) differ += cpu_pages[i] != (*got)[i];
-    EXPECT_EQ(differ, 0u) << "of " << cpu_pages.size() << " page bytes";
+    // Clip ranks 13 and 20 from the top (D = 128), 7 and 10 (D = 64).
+    ASSERT_NO_FATAL_FAILURE(ExpectIdentityPagesEqualCpu(
+        *gpu_, geom, blocks, jobs, [](int) { return std::pair{0.9f, 0.85f}; },
+        {EncodeKernelChoice::kAuto}));
   }
 }
 
@@ -405,52 +436,18 @@ TEST_F(CudaCodecTest, ALaneHoldingAllOfTheLargestValuesClipsLikeTheCpu) {
         }
       }
     }
-    std::vector<float> eye(size_t(dim) * dim, 0.0f);
-    for (int i = 0; i < dim; ++i) eye[size_t(i) * dim + i] = 1.0f;
-    auto blocks_dev = Upload(*gpu_, blocks);
-    auto eye_dev = Upload(*gpu_, eye);
-    ASSERT_TRUE(blocks_dev.ok() && eye_dev.ok());
-    auto pages_dev = gpu_->Allocate(geom.page_bytes() * jobs);
-    ASSERT_TRUE(pages_dev.ok());
-    std::vector<uint8_t> cpu_pages(geom.page_bytes() * jobs, 0);
-    std::vector<EncodeJob> cpu_jobs(jobs), gpu_jobs(jobs);
     // Thresholds from the top: E + 2 and E + 7 values (past the lane's E),
     // exactly E, and E - 1 and E + 1 (K, V ratios of jobs 3m, 3m + 1, 3m + 2).
     const auto ratio = [&](int top) { return static_cast<float>(dim - top + 1) / dim; };
-    const float clips[3][2] = {{ratio(E + 2), ratio(E + 7)}, {ratio(E), ratio(E)},
-                               {ratio(E - 1), ratio(E + 1)}};
-    for (int j = 0; j < jobs; ++j) {
-      const float ck = clips[j % 3][0], cv = clips[j % 3][1];
-      cpu_jobs[j] = EncodeJob{blocks.data() + j * block_elems,
-                              cpu_pages.data() + j * geom.page_bytes(),
-                              RotationRef{eye.data(), eye.data(), 0}, ck, cv};
-      gpu_jobs[j] = EncodeJob{blocks_dev->as<bf16_bits>() + j * block_elems,
-                              pages_dev->as<uint8_t>() + j * geom.page_bytes(),
-                              RotationRef{eye_dev->as<float>(), eye_dev->as<float>(), 0}, ck, cv};
-    }
-    CpuBackend cpu(2);
-    ASSERT_TRUE(cpu.EncodePages(geom, cpu_jobs.data(), jobs).ok());
-    auto jobs_dev = Upload(*gpu_, gpu_jobs);
-    ASSERT_TRUE(jobs_dev.ok()) << jobs_dev.status();
+    const std::pair<float, float> clips[3] = {
+        {ratio(E + 2), ratio(E + 7)}, {ratio(E), ratio(E)}, {ratio(E - 1), ratio(E + 1)}};
     std::vector<EncodeKernelChoice> choices = {EncodeKernelChoice::kAuto};
     if (dim <= 128) {
       choices.insert(choices.end(), {EncodeKernelChoice::kStrips, EncodeKernelChoice::kRoles,
                                      EncodeKernelChoice::kTiled});
     }
-    for (const EncodeKernelChoice choice : choices) {
-      SCOPED_TRACE(testing::Message() << "kernel choice " << static_cast<int>(choice));
-      const std::vector<uint8_t> poison(cpu_pages.size(), 0xC3);
-      ASSERT_TRUE(gpu_->CopyToDevice(pages_dev->data(), poison.data(), poison.size()).ok());
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);  // the backend copies on its own stream
-      ASSERT_TRUE(
-          LaunchEncodePages(geom, jobs_dev->as<EncodeJob>(), jobs, nullptr, choice).ok());
-      ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-      auto got = Download<uint8_t>(*gpu_, pages_dev->data(), cpu_pages.size());
-      ASSERT_TRUE(got.ok());
-      size_t differ = 0;
-      for (size_t i = 0; i < cpu_pages.size(); ++i) differ += cpu_pages[i] != (*got)[i];
-      EXPECT_EQ(differ, 0u) << "of " << cpu_pages.size() << " page bytes";
-    }
+    ASSERT_NO_FATAL_FAILURE(ExpectIdentityPagesEqualCpu(
+        *gpu_, geom, blocks, jobs, [&](int j) { return clips[j % 3]; }, choices));
   }
 }
 
