@@ -44,6 +44,10 @@ struct LaunchArgs {
   float* partials;       // [partial][PartialFloats(g, D)]
   int int_qk;            // query fragments: 0 fp16, 1 integer digits (kIntQK), 2 integer paired (IntPv)
   int ablate;            // benchmarks only: parts of the history loop skipped (wrong results)
+  // The cluster kernel (attend_cluster.cuh): clusters per (item, kv head),
+  // and a count per (item, kv head) of the clusters done (zero between launches).
+  int clusters_per_head;
+  unsigned int* cluster_counts;
 };
 
 template <int D, int NG, bool G8>

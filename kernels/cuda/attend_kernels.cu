@@ -6,6 +6,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/attend_cluster.cuh"
 #include "kernels/cuda/attend_exact.cuh"
 #include "kernels/cuda/attend_history.cuh"
 #include "kernels/cuda/attend_history_int.cuh"
@@ -45,27 +46,6 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
       out[g * D + hh] = M;
       out[g * D + g + hh] = L;
     }
-  }
-}
-
-// Prefetches into L2 the K and V rows of kv head wu.kv_head in the unit's
-// exact blocks, for units that run them after their history part (so those
-// rows do not come from DRAM on the unit's critical path). One 128-byte line
-// per thread and step.
-template <int D>
-__device__ void PrefetchExactRowsL2(const LaunchArgs& a, const ItemPlan& item, const WorkUnit& wu) {
-  constexpr int kLinesPerRow = (D * 2 + 127) / 128;
-  const int P = a.geom.page_tokens;
-  const size_t row_elems = a.geom.exact_row_elems();
-  const int per_block = 2 * P * kLinesPerRow;
-  const int total = (wu.exact_end - wu.exact_begin) * per_block;
-  for (int idx = threadIdx.x; idx < total; idx += kThreads) {
-    const int b = idx / per_block, j = idx % per_block;
-    const ExactBlockRef ref = item.exact[wu.exact_begin + b];
-    const int kv = j / (P * kLinesPerRow), tok = (j / kLinesPerRow) % P, line = j % kLinesPerRow;
-    if (tok >= ref.tokens) continue;
-    const bf16_bits* row = ref.block + (size_t(kv) * P + tok) * row_elems + size_t(wu.kv_head) * D;
-    asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + line * 64));
   }
 }
 
@@ -378,10 +358,48 @@ SplitLaunch SplitLaunchFor(int variant) {
   return l;
 }
 
+// The cluster kernel's launch: clusters of `cluster_blocks` blocks.
+inline cudaLaunchConfig_t ClusterConfig(int num_work, int cluster_blocks, cudaStream_t stream,
+                                        cudaLaunchAttribute* attr) {
+  cudaLaunchConfig_t cfg = {};
+  cfg.gridDim = dim3(num_work);
+  cfg.blockDim = dim3(cluster::kThreads);
+  cfg.stream = stream;
+  attr[0].id = cudaLaunchAttributeClusterDimension;
+  attr[0].val.clusterDim.x = cluster_blocks;
+  attr[0].val.clusterDim.y = 1;
+  attr[0].val.clusterDim.z = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = 1;
+  return cfg;
+}
+
+// The cluster kernel (D = 128) with `cluster_blocks` blocks per cluster.
+using ClusterKernelFn = void (*)(LaunchArgs);
+inline ClusterKernelFn ClusterKernelFor(int cluster_blocks) {
+  switch (cluster_blocks) {
+    case 4: return &ClusterKernel<128, 4>;
+    case 8: return &ClusterKernel<128, 8>;
+    case 16: return &ClusterKernel<128, 16>;
+    default: return nullptr;
+  }
+}
+
 template <int D, int NG, bool G8>
 absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStream_t stream) {
   LaunchArgs a = args;
   a.int_qk = UsesIntPv(s.variant, D, NG, G8) ? 2 : UsesIntQk(s.variant, D, G8) ? 1 : 0;
+  if constexpr (D == 128 && NG == 1 && !G8) {
+    if (s.cluster_blocks > 0) {
+      if (s.stages < 2 || s.num_work == 0) return absl::OkStatus();  // no prep stage of its own
+      const ClusterKernelFn kernel = ClusterKernelFor(s.cluster_blocks);
+      if (kernel == nullptr) return absl::InvalidArgumentError("no cluster kernel of that size");
+      cudaLaunchAttribute attr[1];
+      const cudaLaunchConfig_t cfg = ClusterConfig(s.num_work, s.cluster_blocks, stream, attr);
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a));
+      return absl::OkStatus();
+    }
+  }
   // One prep block per (item, query head).
   const long heads = long(s.num_items) * s.hq;
   if (heads > 0x7fffffffL) return absl::InvalidArgumentError("attention batch too large");
@@ -415,6 +433,34 @@ absl::StatusOr<int> BlocksPerSmTyped(const LaunchShape& s) {
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &blocks, split.kernel, kThreads, split.dynamic_smem));
   return blocks;
+}
+
+// Clusters of `cluster_blocks` blocks of `threads` threads of the cluster
+// kernel of that size (the 4-block one for other sizes) resident at once on
+// the current device.
+absl::StatusOr<int> ClusterKernelCapacity(int threads, int cluster_blocks) {
+  ClusterKernelFn kernel = ClusterKernelFor(cluster_blocks);
+  if (kernel == nullptr) kernel = ClusterKernelFor(4);
+  OSCARKV_CUDA_RETURN_IF_ERROR(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchAttribute attr[1];
+  cudaLaunchConfig_t cfg = ClusterConfig(cluster_blocks, cluster_blocks, nullptr, attr);
+  cfg.blockDim = dim3(threads);
+  int clusters = 0;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveClusters(&clusters, kernel, &cfg));
+  return clusters;
+}
+
+// Asked by AttendLauncher::Prepare once per cluster size, on the launcher's
+// device: how many clusters of the cluster kernel fit at once (0: this shape
+// has no cluster kernel, or no kernel of that size).
+template <int D, int NG, bool G8>
+absl::StatusOr<int> ClusterCapacityTyped(const LaunchShape& s) {
+  if constexpr (D == 128 && NG == 1 && !G8) {
+    if (ClusterKernelFor(s.cluster_blocks) == nullptr) return 0;
+    return ClusterKernelCapacity(cluster::kThreads, s.cluster_blocks);
+  }
+  return 0;
 }
 
 #define OSCARKV_DISPATCH(FN, ...)                                                         \
@@ -452,7 +498,13 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& s, cudaS
 
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(BlocksPerSmTyped, s) }
 
+absl::StatusOr<int> ClusterCapacity(const LaunchShape& s) { OSCARKV_DISPATCH(ClusterCapacityTyped, s) }
+
 }  // namespace cuda_attend
+
+absl::StatusOr<int> AttendClusterCapacity(int threads, int cluster_size) {
+  return cuda_attend::ClusterKernelCapacity(threads, cluster_size);
+}
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {
   return variant >= 8 && group_size > 0 &&

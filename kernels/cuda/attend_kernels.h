@@ -44,6 +44,10 @@ struct AttendSchedule {
   long pages_uploaded = 0;
   int page_tables_cleared = 0;  // 1 if the device page-table array was emptied (full)
   int page_tables_grown = 0;    // 1 if it was replaced by a larger one (full)
+  // > 0: one cluster kernel (variant 11) runs the call, with this many
+  // clusters of cluster_blocks blocks per (item, kv head).
+  int clusters_per_head = 0;
+  int cluster_blocks = 0;
 };
 
 class AttendLauncher {
@@ -101,10 +105,18 @@ class AttendLauncher {
   //       stages filled by bulk copies (TMA; attend_stage_ring.cuh; other
   //       shapes run 3): its loads alone stream 10 % faster than 8's, the
   //       whole loop is within −3 %..+3 % of 8 (2026-11-30, run 15); kept
-  //       as the load path for a leaner loop.
+  //       as the load path for a leaner loop;
+  //   11 = 8's loop in one cluster kernel (attend_cluster.cuh): clusters
+  //       of set_cluster_blocks() blocks, as many per (item, kv head) as fit
+  //       at once, do the query prep, the split and the merge, meeting in
+  //       distributed shared memory (and the clusters of a head in global
+  //       memory), with no prep or merge kernel (D = 128, G = D, <= 4 query
+  //       heads per kv head, at least one cluster per (item, kv head) at
+  //       once; other batches run 8).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 11;
+  static constexpr int kNumVariants = 12;
+  static constexpr int kClusterVariant = 11;
   static constexpr int kDefaultVariant = 8;
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }
@@ -115,6 +127,12 @@ class AttendLauncher {
   // errors up to ~5e-4 of the output's scale, against ~1e-6 for the other
   // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
   static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);
+
+  // Blocks per cluster of variant 11's cluster kernel: 8 (the default), 4
+  // or 16; other sizes run variant 8. The environment variable
+  // OSCARKV_CUDA_ATTEND_CLUSTER_BLOCKS sets the initial value. Takes effect
+  // at the next Prepare().
+  void set_cluster_blocks(int blocks) { cluster_blocks_ = blocks; }
 
   // For benchmarks only (the time of each kernel in its place in the call):
   // Launch() enqueues the first `stages` kernels, 1 = prep, 2 = prep and
@@ -194,12 +212,22 @@ class AttendLauncher {
   std::vector<size_t> copy_sizes_;
   // Resident blocks per SM of each split kernel used so far (by shape and variant).
   std::map<std::pair<int, int>, int> split_blocks_per_sm_;
+  // Blocks per cluster of the cluster kernel, and clusters of each size
+  // resident at once (asked once per size).
+  int cluster_blocks_ = cuda_attend::kClusterBlocks;
+  std::map<int, int> cluster_capacity_;
 
   // The prepared launch.
   struct Prepared;
   std::unique_ptr<Prepared> prepared_;
   AttendSchedule schedule_;
 };
+
+// For benchmarks: clusters of the cluster kernel (variant 11, D = 128) that
+// fit at once on the current device with `threads` threads per block and
+// `cluster_size` blocks per cluster (the multiprocessors of a cluster share
+// a GPC).
+absl::StatusOr<int> AttendClusterCapacity(int threads, int cluster_size);
 
 }  // namespace oscarkv
 

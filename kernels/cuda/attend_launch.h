@@ -23,6 +23,9 @@ struct LaunchShape {
   int variant = 0;  // split-kernel variant: set by AttendLauncher::Prepare (set_variant)
   int stages = 3;   // kernels enqueued: 1 = prep, 2 = + split, 3 = + merge (all)
   bool wide_merge = false;  // MergeBatch(head_dim, true): some kv head has many partials
+  // > 0: one cluster kernel (attend_cluster.cuh) with clusters of this many
+  // blocks instead of the three kernels.
+  int cluster_blocks = 0;
 };
 
 // Prep, split-KV and merge kernels, enqueued on `stream`.
@@ -31,6 +34,10 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& shape,
 
 // Resident blocks per multiprocessor of the split kernel for this shape.
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& shape);
+
+// Clusters of the cluster kernel with shape.cluster_blocks blocks each
+// resident at once for this shape (0: no such kernel for the shape).
+absl::StatusOr<int> ClusterCapacity(const LaunchShape& shape);
 
 }  // namespace cuda_attend
 }  // namespace oscarkv

@@ -46,6 +46,9 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   std::unique_ptr<AttendLauncher> l(new AttendLauncher(device, sms));
   // Operators (and the GPU tests) may pick the split-kernel variant.
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_VARIANT")) l->variant_ = std::atoi(v);
+  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_CLUSTER_BLOCKS")) {
+    l->cluster_blocks_ = std::atoi(v);
+  }
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_FOLD")) {
     l->fold_exact_ = cuda_attend::FoldExactFromNumber(std::atoi(v));
   }
@@ -132,6 +135,24 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.hq = b.num_q_heads;
   shape.variant = variant_;
   shape.stages = stages_;
+  // Variant 11: one cluster kernel with as many clusters per (item, kv
+  // head) as fit at once for all of them; else variant 8's three kernels.
+  int clusters_per_head = 0;
+  if (variant_ == kClusterVariant && D == 128 && shape.groups == 1 && !shape.g8) {
+    shape.cluster_blocks = cluster_blocks_;
+    auto known_capacity = cluster_capacity_.find(cluster_blocks_);
+    if (known_capacity == cluster_capacity_.end()) {
+      OSCARKV_ASSIGN_OR_RETURN(const int clusters, cuda_attend::ClusterCapacity(shape));
+      known_capacity = cluster_capacity_.emplace(cluster_blocks_, clusters).first;
+    }
+    const long heads = long(n) * H;
+    clusters_per_head = heads > 0 ? static_cast<int>(std::min<long>(
+                                        cuda_attend::kMaxClustersPerHead,
+                                        known_capacity->second / heads))
+                                  : 1;
+    if (clusters_per_head < 1) shape.cluster_blocks = 0;
+  }
+  if (variant_ == kClusterVariant && shape.cluster_blocks == 0) shape.variant = kDefaultVariant;
 
   // Work units: exact-only units first (short), then history ranges (which
   // may carry exact blocks) sized so that all units fit in one wave of
@@ -142,7 +163,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     total_exact += b.items[i].num_exact;
   }
   // Resident split blocks per SM: a driver query, asked once per kernel.
-  const std::pair<int, int> kernel_key{(D * 8 + shape.groups) * 2 + (shape.g8 ? 1 : 0), variant_};
+  const std::pair<int, int> kernel_key{(D * 8 + shape.groups) * 2 + (shape.g8 ? 1 : 0),
+                                       shape.variant};
   auto known = split_blocks_per_sm_.find(kernel_key);
   if (known == split_blocks_per_sm_.end()) {
     OSCARKV_ASSIGN_OR_RETURN(const int blocks, cuda_attend::SplitBlocksPerSm(shape));
@@ -150,8 +172,15 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
   const int per_sm = known->second;
   const long capacity = std::max<long>(1, long(per_sm) * num_sms_);
-  const cuda_attend::UnitSizes sizes =
-      cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_);
+  cuda_attend::UnitSizes sizes;
+  if (shape.cluster_blocks > 0) {
+    sizes.history_units = long(n) * H * clusters_per_head * shape.cluster_blocks;
+    // Each cluster's result of both sets, when the clusters of a head meet
+    // in memory.
+    sizes.partials = clusters_per_head > 1 ? 2L * n * H * clusters_per_head : 0;
+  } else {
+    sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_);
+  }
   const long num_work = sizes.num_work();
   if (num_work > (1L << 30) || sizes.partials > (1L << 30) || total_pages > (1L << 30)) {
     return absl::InvalidArgumentError("attention batch too large for one launch");
@@ -204,8 +233,11 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t off_qexact =
       AlignUp(off_qmeta + size_t(n) * b.num_q_heads * cuda_attend::kQueryMetaFloats * 4);
   const size_t off_part = AlignUp(off_qexact + size_t(n) * b.num_q_heads * D * 4);
-  const size_t total =
+  const size_t off_counts =
       AlignUp(off_part + size_t(sizes.partials) * cuda_attend::PartialFloats(g, D) * 4);
+  const size_t counts_bytes =
+      shape.cluster_blocks > 0 && clusters_per_head > 1 ? sizeof(unsigned) * n * H : 0;
+  const size_t total = AlignUp(off_counts + counts_bytes);
 
   // The staging buffer may still feed the previous upload.
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(upload_done_));
@@ -283,7 +315,11 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     if (it.num_exact > 0) std::memcpy(exact + exact_pos, it.exact, sizeof(ExactBlockRef) * it.num_exact);
     exact_pos += it.num_exact;
   }
-  cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, items);
+  if (shape.cluster_blocks > 0) {
+    cuda_attend::FillClusterUnits(b.items, n, H, shape.cluster_blocks, clusters_per_head, work);
+  } else {
+    cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, items);
+  }
   int max_splits = 0;
   for (int i = 0; i < n; ++i) {
     max_splits = std::max(max_splits, items[i].hist_splits + items[i].exact_splits);
@@ -295,6 +331,10 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
                                             copy_sizes_.data(), copy_dsts_.size(), stream));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventRecord(upload_done_, stream));
   tables_committed = true;
+  // The cluster kernel's counts start at zero; each launch leaves them so.
+  if (counts_bytes > 0) {
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dev + off_counts, 0, counts_bytes, stream));
+  }
 
   shape.num_work = w;
   LaunchArgs& a = prepared_->args;
@@ -309,6 +349,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.qmeta = reinterpret_cast<float*>(dev + off_qmeta);
   a.qexact = reinterpret_cast<float*>(dev + off_qexact);
   a.partials = reinterpret_cast<float*>(dev + off_part);
+  a.clusters_per_head = clusters_per_head;
+  a.cluster_counts = reinterpret_cast<unsigned*>(dev + off_counts);
   prepared_->shape = shape;
   prepared_->valid = true;
 
@@ -319,6 +361,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.partials = static_cast<int>(sizes.partials);
   schedule_.upload_bytes = upload + sizeof(void*) * new_entries;
   schedule_.pages_uploaded = table_pages + new_entries;
+  schedule_.clusters_per_head = shape.cluster_blocks > 0 ? clusters_per_head : 0;
+  schedule_.cluster_blocks = shape.cluster_blocks;
   return absl::OkStatus();
 }
 

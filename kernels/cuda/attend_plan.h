@@ -60,6 +60,14 @@ inline constexpr size_t PartialFloats(int g, int d) { return size_t(g) * (d + 2)
 // fewer registers (more resident blocks when there are many items).
 inline constexpr int MergeBatch(int d, bool wide) { return (wide ? 16 : 8) / (d > 128 ? 2 : 1); }
 
+// Blocks per cluster of the cluster kernel (attend_cluster.cuh), the
+// default of AttendLauncher::set_cluster_blocks (4 and 16 are built too;
+// 8 measured fastest: tests/bench/RESULTS.md run 18).
+inline constexpr int kClusterBlocks = 8;
+// At most this many clusters per (item, kv head) (their results meet in
+// global memory, combined in registers by the last one).
+inline constexpr int kMaxClustersPerHead = 16;
+
 // Per query head: {2^E, qsum[4 groups], 0, 0, 0} (see the prep kernel).
 inline constexpr int kQueryMetaFloats = 8;
 

@@ -23,44 +23,56 @@ __device__ __forceinline__ void WaitForPrerequisites() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
+// Integer query fragments (B of the m16n8k32 u8·s8 MMA), 2·4·2·32 words per
+// kv head: word idx is n-tile t, k-step = code field kk, register rg =
+// bytes [4rg, 4rg+4) of thread c's 8 code bytes, column n; byte b holds the
+// digit of dim d = 8c + 4rg + b + 32kk, where v = q'·inv·4^(3-kk) =
+// Σ_j digit_j·128^-j. int_qk 1: column n is digit 2t + n/4 of head n%4;
+// 2 (paired, HistoryWarpIntPv): digit 2t + n%2 of head n/2.
+constexpr int kIntFragWords = 2 * 4 * 2 * 32;
+struct IntFragSlot {
+  int col;    // the query head (column) of the word
+  int digit;  // its base-128 digit
+};
+__device__ __forceinline__ IntFragSlot IntFragSlotOf(int idx, bool paired) {
+  const int n = (idx & 31) >> 2, t = idx >> 8;
+  return {paired ? n >> 1 : n & 3, 2 * t + (paired ? n & 1 : (n >= 4 ? 1 : 0))};
+}
+// Word idx of the head whose scaled q' is qs (its digit scale inv).
+__device__ __forceinline__ uint32_t IntFragWord(int idx, int digit, const float* qs, float inv) {
+  const int ln = idx & 31, rg = (idx >> 5) & 1, kk = (idx >> 6) & 3;
+  const int c = ln & 3;
+  const float sc = inv * (kk == 0 ? 64.0f : kk == 1 ? 16.0f : kk == 2 ? 4.0f : 1.0f);
+  uint32_t packed = 0;
+  for (int b = 0; b < 4; ++b) {
+    float rest = qs[8 * c + 4 * rg + b + 32 * kk] * sc;
+    int dig = 0;
+    for (int j = 0; j < 4; ++j) {
+      const float dj = rintf(rest);
+      if (j == digit) dig = static_cast<int>(dj);
+      rest = (rest - dj) * 128.0f;
+    }
+    packed |= (uint32_t(dig) & 0xffu) << (8 * b);
+  }
+  return packed;
+}
+
 // Writes the query head's fragment words of the QK MMA's B operand, from
 // qs[d] = q' of dim d, and zeroes the unused columns (heads g .. HG-1) when hh == 0. fp16 format:
 // hi / lo columns scaled to max |q'|·inv in [256, 512) times 4^-k for code
-// field k; integer format: base-128 int8 digits of q'·inv·4^(3-k).
+// field k; integer format: base-128 int8 digits of q'·inv·4^(3-k) (above).
 template <int D, bool G8>
 __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, int hh,
                                     bool int_format, const float* qs, float inv) {
   constexpr int NT = G8 ? 2 : 1, KS = D / 16, Q = D / 4;
   const int g = a.g;
   if (int_format) {
-    // B fragments of the m16n8k32 u8·s8 MMA: n-tile t, k-step = code field kk,
-    // register rg = bytes [4rg, 4rg+4) of thread c's 8 code bytes; column n
-    // as below; byte b holds the digit of dim d = 8c + 4rg + b + 32kk, where
-    // v = q'·inv·4^(3-kk) = Σ_j digit_j·128^-j.
-    uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * (2 * 4 * 2 * 32);
-    for (int idx = threadIdx.x; idx < 2 * 4 * 2 * 32; idx += blockDim.x) {
-      const int ln = idx & 31, rg = (idx >> 5) & 1, kk = (idx >> 6) & 3, t = idx >> 8;
-      const int c = ln & 3, n = ln >> 2;
-      // int_qk 1: digit 2t + n/4 of head n%4; 2 (paired, HistoryWarpIntPv):
-      // digit 2t + n%2 of head n/2.
-      const bool paired = a.int_qk == 2;
-      const int col = paired ? n >> 1 : n & 3;
-      const int digit = 2 * t + (paired ? n & 1 : (n >= 4 ? 1 : 0));
-      if (col == hh) {
-        const float sc = inv * (kk == 0 ? 64.0f : kk == 1 ? 16.0f : kk == 2 ? 4.0f : 1.0f);
-        uint32_t packed = 0;
-        for (int b = 0; b < 4; ++b) {
-          float rest = qs[8 * c + 4 * rg + b + 32 * kk] * sc;
-          int dig = 0;
-          for (int j = 0; j < 4; ++j) {
-            const float dj = rintf(rest);
-            if (j == digit) dig = static_cast<int>(dj);
-            rest = (rest - dj) * 128.0f;
-          }
-          packed |= (uint32_t(dig) & 0xffu) << (8 * b);
-        }
-        frag[idx] = packed;
-      } else if (hh == 0 && col >= g) {
+    uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * kIntFragWords;
+    for (int idx = threadIdx.x; idx < kIntFragWords; idx += blockDim.x) {
+      const IntFragSlot slot = IntFragSlotOf(idx, a.int_qk == 2);
+      if (slot.col == hh) {
+        frag[idx] = IntFragWord(idx, slot.digit, qs, inv);
+      } else if (hh == 0 && slot.col >= g) {
         frag[idx] = 0;
       }
     }

@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <vector>
 
 #include "absl/strings/str_cat.h"
 #include "kernels/cpu/cpu_backend.h"
@@ -219,6 +220,43 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
           u.exact_end = std::min(it.num_exact, (s + 1) * per);
           u.exact_partial = plans[i].exact_begin + h * esplits + s;
         }
+      }
+    }
+  }
+}
+
+void FillClusterUnits(const AttendItem* items, int n, int H, int cluster, int clusters_per_head,
+                      WorkUnit* work) {
+  const int units = cluster * clusters_per_head;  // per (item, kv head)
+  std::vector<long> eb(units + 1);
+  std::vector<double> want(units);
+  int w = 0;
+  for (int i = 0; i < n; ++i) {
+    const long pages = items[i].num_pages, exact = items[i].num_exact;
+    const long per = exact > 0 ? (exact + units - 1) / units : 0;
+    // Unit u's exact blocks [eb[u], eb[u + 1]) and page weight.
+    double total_want = 0;
+    const double target = double(pages + kClusterExactPageCost * exact) / units;
+    for (int u = 0; u <= units; ++u) eb[u] = std::min(exact, u * per);
+    for (int u = 0; u < units; ++u) {
+      want[u] = std::max(0.0, target - double(kClusterExactPageCost * (eb[u + 1] - eb[u])));
+      total_want += want[u];
+    }
+    for (int h = 0; h < H; ++h) {
+      double cum = 0;
+      long begin = 0;
+      for (int u = 0; u < units; ++u) {
+        cum += want[u];
+        long end = pages;  // the last unit takes the rest
+        if (u + 1 < units) {
+          end = total_want > 0 ? std::min(pages, std::lround(double(pages) * cum / total_want)) : 0;
+        }
+        WorkUnit& wu = work[w++] = UnitOf(i, h);
+        wu.begin = static_cast<int>(begin);
+        wu.end = static_cast<int>(std::max(begin, end));
+        wu.exact_begin = static_cast<int>(eb[u]);
+        wu.exact_end = static_cast<int>(eb[u + 1]);
+        begin = wu.end;
       }
     }
   }

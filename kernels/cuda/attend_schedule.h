@@ -90,6 +90,23 @@ inline int FoldedExactSplits(int num_exact, int hist_splits) {
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int num_items,
                      int kv_heads, WorkUnit* work, ItemPlan* plans);
 
+// An exact block's weight against one history page when the cluster
+// kernel's ranks share an (item, kv head): a 32-token BF16 block of one kv
+// head is 16 KB of K and V against a page's ~2.3 KB, read by fewer warps in
+// a chain of dependent steps. A first estimate, not a measured optimum.
+inline constexpr long kClusterExactPageCost = 4;
+
+// The cluster kernel's units (attend_cluster.cuh): `clusters_per_head`
+// clusters of `cluster` units per (item, kv head), unit
+// ((i·H + h)·clusters_per_head + k)·cluster + r for rank r of cluster k. The
+// item's exact blocks go ceil(E / units) to a unit from its first unit on;
+// its pages are cut into contiguous ranges, in order, so that pages +
+// kClusterExactPageCost x exact blocks come out even over the units. Every
+// page and exact block of every (item, kv head) is in exactly one unit;
+// partial indices are unused (-1).
+void FillClusterUnits(const AttendItem* items, int num_items, int kv_heads, int cluster,
+                      int clusters_per_head, WorkUnit* work);
+
 }  // namespace cuda_attend
 }  // namespace oscarkv
 

@@ -189,6 +189,74 @@ TEST(AttendSchedule, CoversRandomBatches) {
   }
 }
 
+// The cluster kernel's units: K clusters of NB per (item, kv head) in order,
+// each page and exact block of each (item, kv head) in exactly one unit, page
+// ranges contiguous and in order, and no rank with pages past an even share
+// of pages + kClusterExactPageCost x exact blocks by more than one page.
+void CheckClusterPlan(const std::vector<AttendItem>& items, int H, int NB, int K) {
+  const int n = static_cast<int>(items.size()), C = NB * K;  // units per head
+  std::vector<WorkUnit> work(size_t(n) * H * C);
+  FillClusterUnits(items.data(), n, H, NB, K, work.data());
+  for (int i = 0; i < n; ++i) {
+    const long pages = items[i].num_pages, exact = items[i].num_exact;
+    const double target = double(pages + kClusterExactPageCost * exact) / C;
+    for (int h = 0; h < H; ++h) {
+      SCOPED_TRACE(testing::Message() << "item " << i << " head " << h);
+      long next_page = 0, next_exact = 0;
+      for (int r = 0; r < C; ++r) {
+        const WorkUnit& u = work[(size_t(i) * H + h) * C + r];
+        EXPECT_EQ(u.item, i);
+        EXPECT_EQ(u.kv_head, h);
+        EXPECT_EQ(u.partial, -1);
+        EXPECT_EQ(u.exact_partial, -1);
+        EXPECT_EQ(u.begin, next_page);
+        EXPECT_LE(u.begin, u.end);
+        EXPECT_EQ(u.exact_begin, next_exact);
+        EXPECT_LE(u.exact_begin, u.exact_end);
+        next_page = u.end;
+        next_exact = u.exact_end;
+        const long cost = (u.end - u.begin) + kClusterExactPageCost * (u.exact_end - u.exact_begin);
+        // No rank with pages goes past the even share by more than the
+        // rounding (a rank whose exact blocks alone reach it takes none).
+        if (u.end > u.begin) EXPECT_LE(cost, target + 1.0);
+        if (u.end == u.begin && pages > C) EXPECT_GE(cost + 1.0, target);
+      }
+      EXPECT_EQ(next_page, pages);
+      EXPECT_EQ(next_exact, exact);
+    }
+  }
+}
+
+TEST(AttendSchedule, ClusterUnitsCoverEveryPageAndBlockOnceAndBalanceTheRanks) {
+  for (const int NB : {4, 16}) {
+    for (const int K : {1, 3, 11}) {
+      SCOPED_TRACE(testing::Message() << K << " clusters of " << NB << " per head");
+      CheckClusterPlan({Item(4086, 10)}, 8, NB, K);  // B=1, 128K: units 0-9 take an exact block
+      CheckClusterPlan({Item(246, 10)}, 8, NB, K);   // B=1, 8K
+      CheckClusterPlan({Item(0, 0), Item(0, 3), Item(5, 0), Item(1, 40), Item(17, 1)}, 2, NB, K);
+    }
+  }
+  // B=1, 128K over 16 units: the units with an exact block take 4 pages fewer.
+  const AttendItem heavy = Item(4086, 10);
+  std::vector<WorkUnit> work(16);
+  FillClusterUnits(&heavy, 1, 1, 16, 1, work.data());
+  EXPECT_EQ(work[0].exact_end - work[0].exact_begin, 1);
+  EXPECT_EQ(work[15].exact_end - work[15].exact_begin, 0);
+  EXPECT_NEAR((work[15].end - work[15].begin) - (work[0].end - work[0].begin),
+              kClusterExactPageCost, 1);
+  std::mt19937 rng(11);
+  for (int trial = 0; trial < 100; ++trial) {
+    std::vector<AttendItem> items;
+    const int n = static_cast<int>(rng() % 6);
+    for (int i = 0; i < n; ++i) {
+      items.push_back(Item(static_cast<int>(rng() % 5000), static_cast<int>(rng() % 40)));
+    }
+    SCOPED_TRACE(trial);
+    CheckClusterPlan(items, 1 + static_cast<int>(rng() % 8), 4 << (rng() % 3),
+                     1 + static_cast<int>(rng() % 12));
+  }
+}
+
 TEST(AttendSchedule, CheckRefusesBadItemsAndUnsupportedShapesWithClearCodes) {
   float q[4 * 128], out[4 * 128];
   alignas(8) bf16_bits block[8];

@@ -202,6 +202,37 @@ int Main(int argc, char** argv) {
   std::printf("copy bandwidth (read+write): %.0f GB/s\n", copy_gbs);
   out["copy_gbs"] = copy_gbs;
 
+  // The floor under every figure below: events around the smallest GPU work
+  // (a 4-byte memset, one or three in a row), GPU side as the attention rows'
+  // queued figure. What a call of three kernels cannot go below.
+  {
+    void* tiny;
+    CK(cudaMalloc(&tiny, 256));
+    double floor_us[2];
+    for (int k = 0; k < 2; ++k) {
+      const int ops = k == 0 ? 1 : 3;
+      floor_us[k] = TimeEventsQueued(stream, 10, 200, [&](int) {
+        for (int o = 0; o < ops; ++o) CK(cudaMemsetAsync(tiny, o, 4, stream));
+      });
+    }
+    CK(cudaFree(tiny));
+    std::printf("launch floor (GPU side, events around tiny memsets): 1 op %.1f us, 3 ops %.1f us\n",
+                floor_us[0], floor_us[1]);
+    out["floor_1op_us"] = floor_us[0];
+    out["floor_3op_us"] = floor_us[1];
+  }
+  // How many clusters of the cluster kernel (variant 11) fit at once, by
+  // block and cluster size: the multiprocessors of a cluster must share a GPC.
+  std::printf("cluster kernel, clusters resident at once (threads per block x cluster size):");
+  for (const int threads : {384, 192, 128}) {
+    for (const int size : {16, 8, 4, 2}) {
+      const auto c = AttendClusterCapacity(threads, size);
+      std::printf(" %dx%d: %d", threads, size, c.ok() ? *c : -1);
+      if (!c.ok()) std::printf(" (%s)", c.status().ToString().c_str());
+    }
+  }
+  std::printf("\n");
+
   // 2. Encode throughput: 2048 random 32-token blocks (8 heads, D 128).
   const PageGeometry geom{8, 128, 128, 32};
   const int kBlocks = 2048;
@@ -537,10 +568,17 @@ int Main(int argc, char** argv) {
                 bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, sets,
                 bad ? "  NON-FINITE OUTPUT" : (nonzero == 0 ? "  ALL ZERO" : ""));
     const auto& sched = launchers[0]->schedule();
-    std::printf("%-13s   GPU side (calls queued): ours %.1f us, SDPA %.1f us, speedup %.2f; "
-                "units: %d exact + %d history (%d pages each), %d partials\n",
-                "", gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0,
-                sched.exact_units, sched.history_units, sched.pages_per_unit, sched.partials);
+    if (sched.clusters_per_head > 0) {
+      std::printf("%-13s   GPU side (calls queued): ours %.1f us, SDPA %.1f us, speedup %.2f; "
+                  "one cluster kernel: %d blocks, %d clusters of %d per kv head\n",
+                  "", gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0,
+                  sched.history_units, sched.clusters_per_head, sched.cluster_blocks);
+    } else {
+      std::printf("%-13s   GPU side (calls queued): ours %.1f us, SDPA %.1f us, speedup %.2f; "
+                  "units: %d exact + %d history (%d pages each), %d partials\n",
+                  "", gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0,
+                  sched.exact_units, sched.history_units, sched.pages_per_unit, sched.partials);
+    }
     for (const CallTimes* ct : {&unnamed, &named}) {
       const double* h = ct->host_us;
       std::printf("%-13s   call wall time, %s: Prepare (host) %.1f us, + upload %.1f, "

@@ -72,9 +72,10 @@ run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cud
   --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant0.json"
 grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
 # Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7),
-# the default's loop fed by the shared-memory stage ring (10): differ from the
-# others for D = 128, g <= 4 only (6, 7 and 10 for G = D only).
-for v in 3 6 10 $([ "$quick" = 1 ] || echo 4 7); do
+# the default's loop fed by the shared-memory stage ring (10), in one cluster
+# kernel (11, batches of few items): differ from the
+# others for D = 128, g <= 4 only (6, 7, 10 and 11 for G = D only).
+for v in 3 6 10 11 $([ "$quick" = 1 ] || echo 4 7); do
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*' \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
