@@ -59,35 +59,6 @@ __device__ __forceinline__ void Wait() {
   asm volatile("barrier.cluster.wait.acquire.aligned;\n" ::: "memory");
 }
 
-// Combines the W warps' (m, l, acc) of each of the g heads into one partial
-// in shared memory (as WritePartial does into global memory).
-template <int D, int HG, int W>
-__device__ void CombineWarps(int g, const float (*sm_o)[HG][D], const float (*sm_m)[HG],
-                             const float (*sm_l)[HG], float (*acc)[D], float* pm, float* pl) {
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < g * D; idx += kThreads) {
-    const int hh = idx / D, d = idx % D;
-    float M = -INFINITY;
-#pragma unroll
-    for (int w = 0; w < W; ++w) M = fmaxf(M, sm_m[w][hh]);
-    float L = 0.0f, A = 0.0f;
-    if (M != -INFINITY) {
-#pragma unroll
-      for (int w = 0; w < W; ++w) {
-        if (sm_m[w][hh] == -INFINITY) continue;
-        const float wt = exp2f(sm_m[w][hh] - M);
-        L += wt * sm_l[w][hh];
-        A += wt * sm_o[w][hh][d];
-      }
-    }
-    acc[hh][d] = A;
-    if (d == 0) {
-      pm[hh] = M;
-      pl[hh] = L;
-    }
-  }
-}
-
 // dst[i] = *src(i) for i < n (n <= kPer · kThreads), thread t taking
 // i = t + kThreads·u: all of a thread's loads (from other blocks' shared
 // memory) are issued before its first store.
@@ -120,8 +91,10 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
   static_assert(S * NB == D, "the blocks of a cluster split the head dim evenly");
   __shared__ float sm_o[W][HG][D];
   __shared__ float sm_m[W][HG], sm_l[W][HG];
-  __shared__ float part_acc[2][HG][D];  // this block's partials: [0] history (rotated), [1] exact
-  __shared__ float part_m[2][HG], part_l[2][HG];
+  // This block's partials ([0] history, rotated; [1] exact), each acc [g][D],
+  // m [g], l [g] (PartialFloats).
+  constexpr int kPartFloats = PartialFloats(HG, D);
+  __shared__ float part[2][kPartFloats];
   // q' columns: thread t takes column j = t % S over rows t / S + kRowGroups·i.
   constexpr int kRowGroups = kThreadsB / S, kRowsPerThread = D / kRowGroups;
   static_assert(kRowGroups * S == kThreadsB && kRowsPerThread * kRowGroups == D, "prep shape");
@@ -282,19 +255,21 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
   // 2. History, then exact blocks.
   if (iters > 0) {
     hw.InitQuery(la, 0, 0, lane);
+    // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in service.
     const int ablate = a.ablate;
+    const bool loads = !(ablate & 4);
     int it = 0;
     while (true) {
       ProcessChunk(hw, ra, ablate);
       if (++it >= iters) break;
-      if (it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
+      if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
       ProcessChunk(hw, rb, ablate);
       if (++it >= iters) break;
-      if (it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
+      if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
     }
     hw.Finish(g, sm_o[warp], sm_m[warp], sm_l[warp]);
   }
-  cluster::CombineWarps<D, HG, W>(g, sm_o, sm_m, sm_l, part_acc[0], part_m[0], part_l[0]);
+  CombineWarpStates<D, HG, W, kThreadsB>(g, sm_o, sm_m, sm_l, part[0]);
   __syncthreads();  // every thread is done reading the history state
   clear_warp_state();
   if (has_exact) {
@@ -327,7 +302,7 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
       ex.Finish(g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
     }
   }
-  cluster::CombineWarps<D, HG, W>(g, sm_o, sm_m, sm_l, part_acc[1], part_m[1], part_l[1]);
+  CombineWarpStates<D, HG, W, kThreadsB>(g, sm_o, sm_m, sm_l, part[1]);
 
   // R_V's rows of this block's outputs (L2 hits since the prefetch),
   // transposed.
@@ -354,9 +329,9 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
       float pm[NB], pl[NB], pa[NB];
 #pragma unroll
       for (int r = 0; r < NB; ++r) {
-        pm[r] = *cl.map_shared_rank(&part_m[set][hh], r);
-        pl[r] = *cl.map_shared_rank(&part_l[set][hh], r);
-        pa[r] = *cl.map_shared_rank(&part_acc[set][hh][S * rank + j], r);
+        pm[r] = *cl.map_shared_rank(&part[set][g * D + hh], r);
+        pl[r] = *cl.map_shared_rank(&part[set][g * D + g + hh], r);
+        pa[r] = *cl.map_shared_rank(&part[set][hh * D + S * rank + j], r);
       }
       float M = -INFINITY;
 #pragma unroll
@@ -451,37 +426,26 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
   __syncthreads();
   {
     // Warp hh, lane: output dim j = lane % S of head hh over dims
-    // [part·D·S/32, +D·S/32), part = lane / S, summed over the parts.
+    // [piece·D·S/32, +D·S/32), piece = lane / S, summed over the pieces.
     static_assert(W == HG, "one warp per head of the group");
-    constexpr int kParts = 32 / S, kDims = D / kParts;
-    const int hh = warp, j = lane % S, part = lane / S;
+    constexpr int kPieces = 32 / S, kDims = D / kPieces;
+    const int hh = warp, j = lane % S, piece = lane / S;
     const float lse_h2 = hh < g ? lse2[0][hh] : -INFINITY;
     const float lse_e2 = hh < g ? lse2[1][hh] : -INFINITY;
     float y = 0.0f;
     if (item_history && lse_h2 != -INFINITY) {
 #pragma unroll 8
       for (int e = 0; e < kDims; ++e) {
-        const int d = part * kDims + e;
+        const int d = piece * kDims + e;
         y = fmaf(qs[hh][d], rv_t[d][j], y);
       }
     }
 #pragma unroll
     for (int off = S; off < 32; off <<= 1) y += __shfl_xor_sync(kFull, y, off);
-    if (hh < g && part == 0) {
-      const int qh = h * g + hh, d = S * rank + j;
-      const float lse_a = lse_e2 == -INFINITY ? -INFINITY : lse_e2 * kLn2;
-      const float lse_b = lse_h2 == -INFINITY ? -INFINITY : lse_h2 * kLn2;
-      const float mx = fmaxf(lse_a, lse_b);
-      float value = 0.0f, lse = -INFINITY;
-      if (mx != -INFINITY) {
-        const float wa = lse_a == -INFINITY ? 0.0f : expf(lse_a - mx);
-        const float wb = lse_b == -INFINITY ? 0.0f : expf(lse_b - mx);
-        const float x = wa > 0.0f ? wa * o_slice[1][hh][j] : 0.0f;
-        const float z = wb > 0.0f ? wb * y : 0.0f;
-        value = (x + z) * (1.0f / (wa + wb));
-        lse = mx + logf(wa + wb);
-      }
-      item.out[size_t(qh) * D + d] = value;
+    if (hh < g && piece == 0) {
+      const int qh = h * g + hh;
+      float lse;
+      item.out[size_t(qh) * D + S * rank + j] = MergeSets(lse_e2, o_slice[1][hh][j], lse_h2, y, &lse);
       if (rank == 0 && j == 0 && item.lse != nullptr) item.lse[qh] = lse;
     }
   }

@@ -41,7 +41,8 @@ struct LaunchArgs {
   uint32_t* qfrag;       // [item][h][NT][KS][2][32]; integer formats [item][h][2][4][2][32]
   float* qmeta;          // [item][Hq][kQueryMetaFloats]
   float* qexact;         // [item][Hq][D], scaled by scale_log2
-  float* partials;       // [partial][PartialFloats(g, D)]
+  float* partials;       // [partial][PartialFloats(g, D)] (cluster kernel: per (head, cluster,
+                         // set) the normalized o [g][D], then the base-2 LSE [g])
   int int_qk;            // query fragments: 0 fp16, 1 integer digits (kIntQK), 2 integer paired (IntPv)
   int ablate;            // benchmarks only: parts of the history loop skipped (wrong results)
   // The cluster kernel (attend_cluster.cuh): clusters per (item, kv head),

@@ -1,6 +1,7 @@
 // The split-KV attention kernel (exact and history units) and the launches
 // of one decode-attention call: query prep (attend_prep.cuh), split, merge
-// (attend_merge.cuh). Host planning lives in attend_launcher.cu.
+// (attend_merge.cuh), or variant 11's one cluster kernel (attend_cluster.cuh).
+// Host planning lives in attend_launcher.cu.
 #include "kernels/cuda/attend_launch.h"
 
 #include <type_traits>
@@ -25,28 +26,8 @@ namespace {
 template <int D, int HG>
 __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG][D],
                              float (*sm_m)[HG], float (*sm_l)[HG]) {
-  __syncthreads();
-  const int g = a.g;
-  float* out = a.partials + size_t(partial) * PartialFloats(g, D);
-  for (int idx = threadIdx.x; idx < g * D; idx += kThreads) {
-    const int hh = idx / D, d = idx % D;
-    float M = -INFINITY;
-    for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[w][hh]);
-    float L = 0.0f, A = 0.0f;
-    if (M != -INFINITY) {
-      for (int w = 0; w < kWarps; ++w) {
-        if (sm_m[w][hh] == -INFINITY) continue;
-        const float wt = exp2f(sm_m[w][hh] - M);
-        L += wt * sm_l[w][hh];
-        A += wt * sm_o[w][hh][d];
-      }
-    }
-    out[hh * D + d] = A;
-    if (d == 0) {
-      out[g * D + hh] = M;
-      out[g * D + g + hh] = L;
-    }
-  }
+  CombineWarpStates<D, HG, kWarps, kThreads>(a.g, sm_o, sm_m, sm_l,
+                                             a.partials + size_t(partial) * PartialFloats(a.g, D));
 }
 
 // kPrefetch: register double buffer of whole chunks. kPipeline: software
@@ -399,6 +380,11 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
       OSCARKV_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a));
       return absl::OkStatus();
     }
+  }
+  // Variant 11 runs only as the cluster kernel (Prepare plans 8 otherwise):
+  // its paired query fragments would not match SplitKernelFor(11)'s kernel.
+  if (s.variant == AttendLauncher::kClusterVariant) {
+    return absl::InternalError("variant 11 launched without its cluster plan");
   }
   // One prep block per (item, query head).
   const long heads = long(s.num_items) * s.hq;

@@ -123,7 +123,7 @@ class AttendLauncher {
 
   // Whether a batch of this shape runs, under `variant`, the history path
   // that keeps P·V's probabilities in 16-bit fixed point of each chunk's max
-  // (variant 8 for D = 128, G = D, at most 4 query heads per kv head): output
+  // (variants 8-11 for D = 128, G = D, at most 4 query heads per kv head): output
   // errors up to ~5e-4 of the output's scale, against ~1e-6 for the other
   // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
   static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);
@@ -137,7 +137,8 @@ class AttendLauncher {
   // For benchmarks only (the time of each kernel in its place in the call):
   // Launch() enqueues the first `stages` kernels, 1 = prep, 2 = prep and
   // split, 3 = all (the default; with fewer, CopyResults copies whatever the
-  // results buffer held).
+  // results buffer held). Variant 11's one kernel runs at 2 and 3, nothing
+  // at 1.
   // Takes effect at the next Prepare().
   void set_launch_stages(int stages) { stages_ = stages; }
 
@@ -148,7 +149,7 @@ class AttendLauncher {
   void set_fold_exact(cuda_attend::FoldExact mode) { fold_exact_ = mode; }
 
   // For benchmarks only, results are wrong: parts of the history loop of
-  // variants 0, 3 and 5-8 (D <= 128) to skip, to time the rest in place
+  // variants 0, 3, 5-8 and 11 (D <= 128) to skip, to time the rest in place
   // (bit 1: q·K, bit 2: softmax and P·V, bit 4: the loads after the first
   // two chunks).
   // Takes effect at the next Prepare().

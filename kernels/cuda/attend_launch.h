@@ -28,7 +28,8 @@ struct LaunchShape {
   int cluster_blocks = 0;
 };
 
-// Prep, split-KV and merge kernels, enqueued on `stream`.
+// Prep, split-KV and merge kernels, or the cluster kernel (shape.cluster_blocks
+// > 0), enqueued on `stream`.
 absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& shape,
                              cudaStream_t stream);
 

@@ -1,9 +1,10 @@
 // Host side of the CUDA decode attention: checks a batch, cuts it into work
 // units (exact blocks, then history page ranges sized so that the split kernel
-// runs in one wave), uploads the queries, page tables and schedule in one copy
-// from pinned memory (named page tables live on the device: only their new
-// pages are copied), and launches; the merge kernel writes the outputs
-// straight into mapped pinned memory (no download copy).
+// runs in one wave; or variant 11's cluster units), uploads the queries, page
+// tables and schedule in one copy from pinned memory (named page tables live
+// on the device: only their new pages are copied), and launches; the merge
+// kernel (or the cluster kernel) writes the outputs straight into mapped
+// pinned memory (no download copy).
 #include <algorithm>
 #include <cmath>
 #include <cstdlib>
@@ -162,23 +163,22 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     total_pages += b.items[i].num_pages;
     total_exact += b.items[i].num_exact;
   }
-  // Resident split blocks per SM: a driver query, asked once per kernel.
-  const std::pair<int, int> kernel_key{(D * 8 + shape.groups) * 2 + (shape.g8 ? 1 : 0),
-                                       shape.variant};
-  auto known = split_blocks_per_sm_.find(kernel_key);
-  if (known == split_blocks_per_sm_.end()) {
-    OSCARKV_ASSIGN_OR_RETURN(const int blocks, cuda_attend::SplitBlocksPerSm(shape));
-    known = split_blocks_per_sm_.emplace(kernel_key, blocks).first;
-  }
-  const int per_sm = known->second;
-  const long capacity = std::max<long>(1, long(per_sm) * num_sms_);
   cuda_attend::UnitSizes sizes;
   if (shape.cluster_blocks > 0) {
     sizes.history_units = long(n) * H * clusters_per_head * shape.cluster_blocks;
-    // Each cluster's result of both sets, when the clusters of a head meet
-    // in memory.
+    // Each cluster's result of both sets (normalized o, then the base-2
+    // LSE, in a partial's slot), when the clusters of a head meet in memory.
     sizes.partials = clusters_per_head > 1 ? 2L * n * H * clusters_per_head : 0;
   } else {
+    // Resident split blocks per SM: a driver query, asked once per kernel.
+    const std::pair<int, int> kernel_key{(D * 8 + shape.groups) * 2 + (shape.g8 ? 1 : 0),
+                                         shape.variant};
+    auto known = split_blocks_per_sm_.find(kernel_key);
+    if (known == split_blocks_per_sm_.end()) {
+      OSCARKV_ASSIGN_OR_RETURN(const int blocks, cuda_attend::SplitBlocksPerSm(shape));
+      known = split_blocks_per_sm_.emplace(kernel_key, blocks).first;
+    }
+    const long capacity = std::max<long>(1, long(known->second) * num_sms_);
     sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_);
   }
   const long num_work = sizes.num_work();
@@ -211,7 +211,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
 
   // Layout: [items][page table][exact blocks][work][queries] (uploaded from
-  // the staging buffer), then [qfrag][qmeta][qexact][partials] (device only).
+  // the staging buffer), then [qfrag][qmeta][qexact][partials][cluster
+  // counts] (device only).
   // The outputs, [item][Hq * D + Hq] floats (out, then lse), go to the mapped
   // pinned results buffer, written by the merge kernel over the bus (a few
   // KB per item: cheaper than a download copy's round trip).

@@ -11,6 +11,56 @@ namespace cuda_attend {
 
 constexpr float kLn2 = 0.69314718055994531f;
 
+// Combines the W warps' (m, l, acc) of each of the g heads, held in shared
+// memory, into one partial at `out` (acc [g][D], then m [g], then l [g]:
+// PartialFloats) with the block's kBlockThreads threads. Starts with a block
+// barrier (the warps' states written).
+template <int D, int HG, int W, int kBlockThreads>
+__device__ void CombineWarpStates(int g, const float (*sm_o)[HG][D], const float (*sm_m)[HG],
+                                  const float (*sm_l)[HG], float* out) {
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < g * D; idx += kBlockThreads) {
+    const int hh = idx / D, d = idx % D;
+    float M = -INFINITY;
+    for (int w = 0; w < W; ++w) M = fmaxf(M, sm_m[w][hh]);
+    float L = 0.0f, A = 0.0f;
+    if (M != -INFINITY) {
+      for (int w = 0; w < W; ++w) {
+        if (sm_m[w][hh] == -INFINITY) continue;
+        const float wt = exp2f(sm_m[w][hh] - M);
+        L += wt * sm_l[w][hh];
+        A += wt * sm_o[w][hh][d];
+      }
+    }
+    out[hh * D + d] = A;
+    if (d == 0) {
+      out[g * D + hh] = M;
+      out[g * D + g + hh] = L;
+    }
+  }
+}
+
+// One output dim from the exact set (normalized o_exact, base-2 LSE lse_e2)
+// and the un-rotated history set (o_hist, lse_h2), merged with the
+// online-softmax rule (as MergeAttention on the CPU); *lse gets the head's
+// natural-log LSE. Both sets empty: 0, and *lse = -inf.
+__device__ __forceinline__ float MergeSets(float lse_e2, float o_exact, float lse_h2, float o_hist,
+                                           float* lse) {
+  const float lse_a = lse_e2 == -INFINITY ? -INFINITY : lse_e2 * kLn2;
+  const float lse_b = lse_h2 == -INFINITY ? -INFINITY : lse_h2 * kLn2;
+  const float mx = fmaxf(lse_a, lse_b);
+  if (mx == -INFINITY) {
+    *lse = -INFINITY;
+    return 0.0f;
+  }
+  const float wa = lse_a == -INFINITY ? 0.0f : expf(lse_a - mx);
+  const float wb = lse_b == -INFINITY ? 0.0f : expf(lse_b - mx);
+  const float x = wa > 0.0f ? wa * o_exact : 0.0f;
+  const float y = wb > 0.0f ? wb * o_hist : 0.0f;
+  *lse = mx + logf(wa + wb);
+  return (x + y) * (1.0f / (wa + wb));
+}
+
 // One online-softmax state (base-2 logits) over a warp's share of partials;
 // lane owns dims lane + 32e.
 template <int D>
@@ -152,25 +202,12 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
     if (threadIdx.x < kSlice) o_hist[threadIdx.x] = 0.0f;
   }
   __syncthreads();
-  const float lse_a = lse_e2 == -INFINITY ? -INFINITY : lse_e2 * kLn2;
-  const float lse_b = lse_h2 == -INFINITY ? -INFINITY : lse_h2 * kLn2;
-  const float mx = fmaxf(lse_a, lse_b);
-  float* out = item.out + size_t(qh) * D + j0;
-  if (mx == -INFINITY) {
-    if (threadIdx.x < kSlice) out[threadIdx.x] = 0.0f;
-    if (threadIdx.x == 0 && blockIdx.z == 0 && item.lse != nullptr) item.lse[qh] = -INFINITY;
-    return;
-  }
-  const float wa = lse_a == -INFINITY ? 0.0f : expf(lse_a - mx);
-  const float wb = lse_b == -INFINITY ? 0.0f : expf(lse_b - mx);
-  const float inv = 1.0f / (wa + wb);
+  float lse = -INFINITY;
   if (threadIdx.x < kSlice) {
     const int d = threadIdx.x;
-    const float x = wa > 0.0f ? wa * o_set[1][j0 + d] : 0.0f;
-    const float y = wb > 0.0f ? wb * o_hist[d] : 0.0f;
-    out[d] = (x + y) * inv;
+    item.out[size_t(qh) * D + j0 + d] = MergeSets(lse_e2, o_set[1][j0 + d], lse_h2, o_hist[d], &lse);
   }
-  if (threadIdx.x == 0 && blockIdx.z == 0 && item.lse != nullptr) item.lse[qh] = mx + logf(wa + wb);
+  if (threadIdx.x == 0 && blockIdx.z == 0 && item.lse != nullptr) item.lse[qh] = lse;
 }
 
 }  // namespace cuda_attend

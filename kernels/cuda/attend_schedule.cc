@@ -233,11 +233,10 @@ void FillClusterUnits(const AttendItem* items, int n, int H, int cluster, int cl
   int w = 0;
   for (int i = 0; i < n; ++i) {
     const long pages = items[i].num_pages, exact = items[i].num_exact;
-    const long per = exact > 0 ? (exact + units - 1) / units : 0;
-    // Unit u's exact blocks [eb[u], eb[u + 1]) and page weight.
+    // Unit u's exact blocks [eb[u], eb[u + 1]) (spread evenly) and page weight.
     double total_want = 0;
     const double target = double(pages + kClusterExactPageCost * exact) / units;
-    for (int u = 0; u <= units; ++u) eb[u] = std::min(exact, u * per);
+    for (int u = 0; u <= units; ++u) eb[u] = exact * u / units;
     for (int u = 0; u < units; ++u) {
       want[u] = std::max(0.0, target - double(kClusterExactPageCost * (eb[u + 1] - eb[u])));
       total_want += want[u];

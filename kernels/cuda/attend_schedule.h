@@ -99,9 +99,11 @@ inline constexpr long kClusterExactPageCost = 4;
 // The cluster kernel's units (attend_cluster.cuh): `clusters_per_head`
 // clusters of `cluster` units per (item, kv head), unit
 // ((i·H + h)·clusters_per_head + k)·cluster + r for rank r of cluster k. The
-// item's exact blocks go ceil(E / units) to a unit from its first unit on;
-// its pages are cut into contiguous ranges, in order, so that pages +
-// kClusterExactPageCost x exact blocks come out even over the units. Every
+// item's exact blocks are spread evenly over the units (unit u takes blocks
+// [E·u / units, E·(u + 1) / units)); its pages are cut into contiguous
+// ranges, in order, so that pages + kClusterExactPageCost x exact blocks
+// come out even over the units (a unit whose exact blocks alone reach the
+// even share takes no pages). Every
 // page and exact block of every (item, kv head) is in exactly one unit;
 // partial indices are unused (-1).
 void FillClusterUnits(const AttendItem* items, int num_items, int kv_heads, int cluster,

@@ -216,10 +216,12 @@ void CheckClusterPlan(const std::vector<AttendItem>& items, int H, int NB, int K
         next_page = u.end;
         next_exact = u.exact_end;
         const long cost = (u.end - u.begin) + kClusterExactPageCost * (u.exact_end - u.exact_begin);
-        // No rank with pages goes past the even share by more than the
-        // rounding (a rank whose exact blocks alone reach it takes none).
+        // No unit with pages goes past the even share by more than the
+        // rounding (a unit whose exact blocks alone reach it takes none),
+        // and exact blocks are spread evenly.
         if (u.end > u.begin) EXPECT_LE(cost, target + 1.0);
-        if (u.end == u.begin && pages > C) EXPECT_GE(cost + 1.0, target);
+        EXPECT_LE(u.exact_end - u.exact_begin, (exact + C - 1) / C);
+        EXPECT_GE(u.exact_end - u.exact_begin, exact / C);
       }
       EXPECT_EQ(next_page, pages);
       EXPECT_EQ(next_exact, exact);
@@ -231,19 +233,22 @@ TEST(AttendSchedule, ClusterUnitsCoverEveryPageAndBlockOnceAndBalanceTheRanks) {
   for (const int NB : {4, 16}) {
     for (const int K : {1, 3, 11}) {
       SCOPED_TRACE(testing::Message() << K << " clusters of " << NB << " per head");
-      CheckClusterPlan({Item(4086, 10)}, 8, NB, K);  // B=1, 128K: units 0-9 take an exact block
+      CheckClusterPlan({Item(4086, 10)}, 8, NB, K);  // B=1, 128K
       CheckClusterPlan({Item(246, 10)}, 8, NB, K);   // B=1, 8K
       CheckClusterPlan({Item(0, 0), Item(0, 3), Item(5, 0), Item(1, 40), Item(17, 1)}, 2, NB, K);
     }
   }
-  // B=1, 128K over 16 units: the units with an exact block take 4 pages fewer.
+  // B=1, 128K over 16 units: 10 of them take an exact block and 4 pages fewer.
   const AttendItem heavy = Item(4086, 10);
   std::vector<WorkUnit> work(16);
   FillClusterUnits(&heavy, 1, 1, 16, 1, work.data());
-  EXPECT_EQ(work[0].exact_end - work[0].exact_begin, 1);
-  EXPECT_EQ(work[15].exact_end - work[15].exact_begin, 0);
-  EXPECT_NEAR((work[15].end - work[15].begin) - (work[0].end - work[0].begin),
-              kClusterExactPageCost, 1);
+  int with_exact = 0;
+  for (const WorkUnit& u : work) {
+    const int e = u.exact_end - u.exact_begin;
+    with_exact += e;
+    EXPECT_NEAR((u.end - u.begin) + kClusterExactPageCost * e, (4086 + 40) / 16.0, 1.0);
+  }
+  EXPECT_EQ(with_exact, 10);
   std::mt19937 rng(11);
   for (int trial = 0; trial < 100; ++trial) {
     std::vector<AttendItem> items;

@@ -223,6 +223,9 @@ int Main(int argc, char** argv) {
   }
   // How many clusters of the cluster kernel (variant 11) fit at once, by
   // block and cluster size: the multiprocessors of a cluster must share a GPC.
+  // The kernel is built for 128 threads: the other block sizes are what its
+  // registers and shared memory would allow at that size, and the 2-block
+  // size is asked of the 4-block kernel.
   std::printf("cluster kernel, clusters resident at once (threads per block x cluster size):");
   for (const int threads : {384, 192, 128}) {
     for (const int size : {16, 8, 4, 2}) {
