@@ -221,7 +221,7 @@ class GetKvReactor final : public grpc::ServerWriteReactor<v1::GetKvResponse>,
   }
 
   void OnDone() override {
-    svc_->stream_watchdog().Remove(this);  // a no-op if Init failed before Add
+    svc_->stream_watchdog().Remove(this);  // also when Init failed before Add
     delete this;
   }
 

@@ -44,7 +44,8 @@ class StreamWatchdog {
   StreamWatchdog& operator=(const StreamWatchdog&) = delete;
 
   // A stream registers once it may wait on its client, and removes itself
-  // before it is destroyed (its reactor's OnDone).
+  // before it is destroyed (its reactor's OnDone). Removing a stream that was
+  // never added is a no-op.
   void Add(StallableStream* stream);
   void Remove(StallableStream* stream);
   std::chrono::milliseconds limit() const { return limit_; }

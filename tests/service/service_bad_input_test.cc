@@ -3,7 +3,6 @@
 #include <chrono>
 #include <cmath>
 #include <limits>
-#include <thread>
 
 #include "gmock/gmock.h"
 #include "service_fixture.h"
@@ -56,13 +55,16 @@ class BadInput : public ::testing::Test {
   void TearDown() override {
     // A cancelled stream is cleaned up when the server sees the cancellation.
     int64_t free = -1;
-    for (int i = 0; i < 200; ++i) {
-      auto info = ts_.client->Info();
-      ASSERT_TRUE(info.ok());
-      free = info->pool().free_bytes();
-      if (free == free0_ + committed_bytes_) break;
-      std::this_thread::sleep_for(std::chrono::milliseconds(10));
-    }
+    bool info_ok = true;
+    WaitUntil(
+        [&] {
+          auto info = ts_.client->Info();
+          info_ok = info.ok();
+          if (info_ok) free = info->pool().free_bytes();
+          return !info_ok || free == free0_ + committed_bytes_;
+        },
+        std::chrono::seconds(2));
+    ASSERT_TRUE(info_ok);
     EXPECT_EQ(free, free0_ + committed_bytes_) << "pool bytes leaked";
   }
   TestServer ts_;
@@ -335,11 +337,12 @@ TEST_F(BadInput, OversizedMessageIsResourceExhausted) {
   // reactor finishes, the sequence is still "ingesting" (FAILED_PRECONDITION).
   // It must then be gone, not committed.
   absl::StatusCode code = absl::StatusCode::kUnknown;
-  for (int i = 0; i < 200; ++i) {
-    code = ts_.client->Stat("big").status().code();
-    if (code != absl::StatusCode::kFailedPrecondition) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
+  WaitUntil(
+      [&] {
+        code = ts_.client->Stat("big").status().code();
+        return code != absl::StatusCode::kFailedPrecondition;
+      },
+      std::chrono::seconds(5));
   EXPECT_EQ(code, absl::StatusCode::kNotFound);
 }
 

@@ -44,7 +44,8 @@ ModelRotation RandomRotation(const ModelLayout& layout, bool per_head, uint64_t 
 void WriteCalibrationRequest(const ModelRotation& rot, const std::string& model,
                              const std::string& file_name, v1::LoadCalibrationRequest* req) {
   const std::string path = ::oscarkv::testing::UniqueTempPath(file_name);
-  ASSERT_TRUE(WriteCalibrationFile(path, rot).ok());
+  const absl::Status written = WriteCalibrationFile(path, rot);
+  ASSERT_TRUE(written.ok()) << written;
   req->set_model(model);
   req->set_path(path);
 }

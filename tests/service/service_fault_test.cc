@@ -116,8 +116,12 @@ TEST(Fault, CancelledPutLeavesNoSequenceAndNoPages) {
   ASSERT_TRUE((*stream)->Write(0, 0, 100, data.k_at(0, 0), data.v_at(0, 0)).ok());
   ASSERT_TRUE((*stream)->Write(1, 0, 50, data.k_at(1, 0), data.v_at(1, 0)).ok());
   // Wait until the server holds the partial stream's pages, then cancel.
-  WaitUntil([&] { return ts.client->Info()->pool().free_bytes() != free0; },
-            std::chrono::seconds(1));
+  WaitUntil(
+      [&] {
+        auto info = ts.client->Info();
+        return info.ok() && info->pool().free_bytes() != free0;
+      },
+      std::chrono::seconds(1));
   EXPECT_LT(ts.client->Info()->pool().free_bytes(), free0);
   (*stream)->Cancel();
   EXPECT_EQ(WaitForFree(*ts.client, free0), free0);
@@ -210,9 +214,10 @@ class GatedAttendBackend final : public CpuBackendWrapper {
   }
   void Close() { Set(false); }
   void Open() { Set(true); }
-  void WaitForAnAttend() {
+  // Whether an Attend reached the gate within `limit`.
+  bool WaitForAnAttend(std::chrono::milliseconds limit) {
     std::unique_lock<std::mutex> lock(mu_);
-    changed_.wait(lock, [&] { return waiting_ > 0; });
+    return changed_.wait_for(lock, limit, [&] { return waiting_ > 0; });
   }
 
  private:
@@ -249,8 +254,6 @@ TEST(Fault, DropReportsTheBytesFreedWhenTheLastReaderReleasesMeanwhile) {
     const int64_t held = free0 - store.Stats().pool_free_bytes;
     ASSERT_GT(held, 0);
     backend.Close();
-    // Acquired here: a failure must not leave WaitForAnAttend waiting for an
-    // Attend that never comes.
     auto handle = store.Acquire(id);
     ASSERT_TRUE(handle.ok()) << handle.status();
     std::thread reader([&] {
@@ -259,7 +262,13 @@ TEST(Fault, DropReportsTheBytesFreedWhenTheLastReaderReleasesMeanwhile) {
       EXPECT_TRUE(store.Attend(h, 0, q.data(), nullptr, nullptr, -1, out.data(), nullptr,
                                nullptr).ok());
     });  // the handle is released right after the Attend
-    backend.WaitForAnAttend();
+    // An Attend that fails before the backend never reaches the gate: fail
+    // the test instead of waiting for it.
+    if (!backend.WaitForAnAttend(std::chrono::seconds(10))) {
+      backend.Open();
+      reader.join();
+      FAIL() << "no Attend reached the backend in round " << round;
+    }
     absl::StatusOr<int64_t> freed;
     std::thread dropper([&] { freed = store.Drop(id); });
     // Time for Drop to reach the sequence's lock, which the Attend holds.

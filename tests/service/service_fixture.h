@@ -165,12 +165,13 @@ inline std::string Scrape(OscarkvServer& server) {
 // cleanup runs when the server notices its end) and returns the last seen.
 inline int64_t WaitForFree(KvClient& client, int64_t want) {
   int64_t got = -1;
-  for (int i = 0; i < 200; ++i) {
-    auto info = client.Info();
-    if (info.ok()) got = info->pool().free_bytes();
-    if (got == want) break;
-    std::this_thread::sleep_for(std::chrono::milliseconds(25));
-  }
+  WaitUntil(
+      [&] {
+        auto info = client.Info();
+        if (info.ok()) got = info->pool().free_bytes();
+        return got == want;
+      },
+      std::chrono::seconds(5));
   return got;
 }
 

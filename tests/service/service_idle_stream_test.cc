@@ -4,7 +4,6 @@
 // Streams that make progress are not ended however long they last.
 #include <chrono>
 #include <limits>
-#include <sstream>
 #include <thread>
 
 #include "gmock/gmock.h"
@@ -36,8 +35,12 @@ TEST(IdleStream, StalledPutIsAbortedAndFreesItsSlotsAndId) {
   ASSERT_TRUE(stream.ok()) << stream.status();
   ASSERT_TRUE((*stream)->Write(0, 0, 60, data.k_at(0, 0), data.v_at(0, 0)).ok());
   // The server holds the partial layer; the client then sends nothing more.
-  WaitUntil([&] { return ts.client->Info()->pool().free_bytes() != free0; },
-            std::chrono::milliseconds(500));
+  WaitUntil(
+      [&] {
+        auto info = ts.client->Info();
+        return info.ok() && info->pool().free_bytes() != free0;
+      },
+      std::chrono::milliseconds(500));
   EXPECT_LT(ts.client->Info()->pool().free_bytes(), free0);
   EXPECT_EQ(WaitForFree(*ts.client, free0), free0);
   EXPECT_EQ(ts.server->store().Stats().ingesting, 0);
