@@ -138,7 +138,7 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
     // The same round without recording the value (all rounds but the last);
     // for 4 values per lane the drop is 4 predicated instructions.
     const auto drop_largest = [&](int r) {
-      if constexpr (E == 4 && !kZeroFill) {
+      if constexpr (E == 4) {  // (so kZeroFill is false: the last value stays)
         const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);
         asm("{\n\t.reg .pred p;\n\t"
             "setp.eq.u32 p, %0, %5;\n\t"
@@ -148,9 +148,9 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
             "@p mov.b32 %2, %4;\n\t}"
             : "+r"(u[r][0]), "+r"(u[r][1]), "+r"(u[r][2]), "+r"(drops[r])
             : "r"(u[r][3]), "r"(gm));
-        return;
+      } else {
+        take_largest(r);
       }
-      take_largest(r);
     };
     bool same_top = true;
 #pragma unroll
@@ -323,11 +323,12 @@ __device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out
 }
 
 // Clamp, quantize and pack R rotated rows held in shared memory (rows with
-// use[k] false are computed and not stored); one warp. For G >= 32 a group's
+// use[k] false are not stored; for G >= 32 their reductions still run); one
+// warp. G < 32 goes row by row through QuantizeRowWarp. For G >= 32 a group's
 // min and max come from one warp reduction, so the group's scalar work
 // (range, scale, fp16 rounding, reciprocal) is done once, by lane t for group
 // t of the pass (row t / NG, group t % NG), and broadcast, instead of by all
-// 32 lanes. The same operations as QuantizeRowWarp, so the same bits.
+// 32 lanes. The scale arithmetic is QuantizeRowWarp's, so the same bits.
 template <int D, int G, int R>
 __device__ void QuantizeRowsWarp(const float* const (&yrows)[R], const float (&tau)[R],
                                  uint8_t* const (&codes_out)[R],

@@ -20,12 +20,13 @@ namespace oscarkv {
 // the strip kernel (each warp keeps its strip of R in registers and does both;
 // encode_strips.cuh), else the tiled kernel (R staged in shared memory per
 // tile). kStrips / kRoles force the strip kernel / the roles kernel (the same
-// pages) for head dims 64 and 128; kTiled forces the tiled kernel for every
-// head dim: the side-by-side benchmark's baseline.
+// pages) for head dims 64 and 128 (at 256 they run the tiled kernel); kTiled
+// forces the tiled kernel for every head dim: the side-by-side benchmark's
+// baseline.
 enum class EncodeKernelChoice { kAuto, kStrips, kRoles, kTiled };
 
 // Rotate (x · R on the tensor cores, with R split into two fp16 terms (strip
-// kernel) or three bf16 terms (tiled kernel) so that the product keeps fp32
+// and roles kernels) or three bf16 terms (tiled kernel) so that the product keeps fp32
 // accuracy), clip, quantize and pack every row of every job in one launch.
 // Codes are computed against the fp16-rounded (scale, min) exactly like
 // QuantizeRow; only the fp32 summation order of the rotation differs from the

@@ -24,7 +24,8 @@
 // warps per SM, 8 multiplying (step 3, strips in shared memory) and 16
 // quantizing (step 4) at once, on two y buffers.
 // The tiled kernel (R staged in shared memory per tile) stays for D = 256,
-// whose strips would not fit in registers.
+// whose strips would fit neither in registers nor in the roles kernel's
+// shared memory (~256 KB).
 #ifndef OSCARKV_KERNELS_CUDA_ENCODE_STRIPS_CUH_
 #define OSCARKV_KERNELS_CUDA_ENCODE_STRIPS_CUH_
 
@@ -466,8 +467,8 @@ __device__ __forceinline__ void NamedBarrierSync(int id, int count) {
 namespace roles {
 constexpr int kQuantWarps = 16;
 constexpr int kRowsPerPass = 4;  // one pass per tile and quantizing warp
-constexpr int kThreads = encode_strips::kThreads + kQuantWarps * 32;
 constexpr int kMultiplyThreads = encode_strips::kThreads;  // warps 0-7
+constexpr int kThreads = kMultiplyThreads + kQuantWarps * 32;
 constexpr int kMultiplyBarrier = 1;  // named barrier of the multiplying threads
 // Tile n's rows: filled during tile n - 1, read by the quantizers until the
 // multiply of tile n + 2 starts.

@@ -101,7 +101,8 @@ void MakeEncodeInputs(Backend& gpu, const CodecCase& c, uint64_t seed, EncodeInp
   const size_t block_elems = in->geom.exact_block_bytes() / 2;
   const size_t page_bytes = in->geom.page_bytes();
   in->blocks = RandomKvRows(block_elems * c.jobs / c.dim, c.dim, rng);
-  // Two rotation sets (jobs alternate between them); per-head: one matrix per head.
+  // Two rotation sets (jobs alternate between them unless c.one_rotation);
+  // per-head: one matrix per head.
   const int mats = c.per_head ? c.heads : 1;
   const size_t set_floats = size_t(mats) * c.dim * c.dim;
   std::vector<float>& rot = in->rot;

@@ -16,10 +16,12 @@
 # with everything on; SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests (~2 min).
 #
 # Environment: QUICK=1 (~5 min on the H200, 2026-11-29) runs the default
-# variant's attention tests in full, variants 0, 2, 3 and 6 on D = 128 only (not
-# 1, 4 and 7), the benchmark before the sanitizer, and a smaller sanitizer set, 50 s
-# at most each (memcheck, racecheck and initcheck of the attention, memcheck
-# of the codec); SKIP_SANITIZER=1 skips compute-sanitizer; SKIP_BENCH=1 skips
+# variant's attention tests in full, variants 0, 2, 3, 6, 10 and 11 on D = 128
+# only (not 1, 4 and 7), the benchmark before the sanitizer, and a smaller
+# sanitizer set, 50 s at most each (memcheck, racecheck and initcheck of the
+# attention, synccheck of variant 10's stage ring, memcheck of the codec,
+# racecheck and synccheck of its roles kernel); SKIP_SANITIZER=1 skips
+# compute-sanitizer; SKIP_BENCH=1 skips
 # the benchmark and the PyTorch baseline; BENCH_ITERS (default 200);
 # BENCH_VARIANTS (e.g. 3,6: the split-kernel variants to time; default all); NCU=1 adds
 # ncu profiles of the attention and encode kernels and the SASS of the bench.
@@ -72,9 +74,9 @@ run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cud
   --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant0.json"
 grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
 # Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7),
-# the default's loop fed by the shared-memory stage ring (10), in one cluster
-# kernel (11, batches of few items): differ from the
-# others for D = 128, g <= 4 only (6, 7, 10 and 11 for G = D only).
+# the default's loop fed by the shared-memory stage ring (10) or in one
+# cluster kernel (11, batches of few items): differ from the others for
+# D = 128, g <= 4 only (6, 7, 10 and 11 for G = D only).
 for v in 3 6 10 11 $([ "$quick" = 1 ] || echo 4 7); do
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*' \
