@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
     __syncwarp();
   };
   clear_warp_state();
-  if (has_history && has_exact) PrefetchExactRowsL2<D, kThreadsB>(a, item, wu);
+  if (has_history && has_exact) PrefetchExactRowsL2<D, kThreadsB>(a, wu);
 
   // The history loop's state; its first two chunks go in flight now.
   const int cpp = a.geom.page_tokens / 32;
@@ -281,7 +281,7 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
     ExactBlockRef blk{nullptr, 0};
     auto seek = [&](int from) {
       for (e = from; e < nb; ++e) {
-        blk = item.exact[wu.exact_begin + e];
+        blk = wu.exact[e];
         const int per = (blk.tokens + W - 1) / W;
         t = warp * per;
         t1 = min(blk.tokens, t + per);

@@ -49,7 +49,31 @@ struct LaunchArgs {
   // and a count per (item, kv head) of the clusters done (zero between launches).
   int clusters_per_head;
   unsigned int* cluster_counts;
+  // The queries as uploaded, [item][Hq][D] (ItemPlan::q of item i is
+  // queries + i·Hq·D), and, when every item has the same rotation (one
+  // layer), that rotation (else r_k is null): the prep kernel then reads
+  // R_K and q without first reading the item's plan.
+  const float* queries;
+  RotationRef rotation;
+  // Benchmarks only, null in service: the rows of each TraceKernel's blocks
+  // (kTraceMarks words each; see attend_plan.h). The cluster kernel has none.
+  unsigned long long* trace[kTraceKernels];
 };
+
+// Records the time of `mark` in row `block` of `rows` (thread 0; nothing when
+// tracing is off), and at kTraceStart also the block's multiprocessor.
+__device__ __forceinline__ void Trace(unsigned long long* rows, int block, int mark) {
+  if (rows == nullptr || threadIdx.x != 0) return;
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  unsigned long long* row = rows + size_t(block) * kTraceMarks;
+  row[mark] = t;
+  if (mark == kTraceStart) {
+    unsigned sm;
+    asm("mov.u32 %0, %%smid;" : "=r"(sm));
+    row[kTraceSm] = sm;
+  }
+}
 
 template <int D, int NG, bool G8>
 struct Cfg {

@@ -130,7 +130,7 @@ struct ExactWarp {
 // rows do not come from DRAM on the unit's critical path). One 128-byte line
 // per thread and step, over the block's kBlockThreads threads.
 template <int D, int kBlockThreads = kThreads>
-__device__ void PrefetchExactRowsL2(const LaunchArgs& a, const ItemPlan& item, const WorkUnit& wu) {
+__device__ void PrefetchExactRowsL2(const LaunchArgs& a, const WorkUnit& wu) {
   constexpr int kLinesPerRow = (D * 2 + 127) / 128;
   const int P = a.geom.page_tokens;
   const size_t row_elems = a.geom.exact_row_elems();
@@ -138,7 +138,7 @@ __device__ void PrefetchExactRowsL2(const LaunchArgs& a, const ItemPlan& item, c
   const int total = (wu.exact_end - wu.exact_begin) * per_block;
   for (int idx = threadIdx.x; idx < total; idx += kBlockThreads) {
     const int b = idx / per_block, j = idx % per_block;
-    const ExactBlockRef ref = item.exact[wu.exact_begin + b];
+    const ExactBlockRef ref = wu.exact[b];
     const int kv = j / (P * kLinesPerRow), tok = (j / kLinesPerRow) % P, line = j % kLinesPerRow;
     if (tok >= ref.tokens) continue;
     const bf16_bits* row = ref.block + (size_t(kv) * P + tok) * row_elems + size_t(wu.kv_head) * D;

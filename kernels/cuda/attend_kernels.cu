@@ -51,6 +51,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   __shared__ float sm_m[kWarps][HG];
   __shared__ float sm_l[kWarps][HG];
   const int warp = WarpIndex(), lane = threadIdx.x & 31;
+  unsigned long long* const trace = a.trace[kTraceSplit];
+  Trace(trace, blockIdx.x, kTraceStart);
   // Work and page tables were uploaded before the prep kernel ran: safe to
   // read before waiting for it.
   const WorkUnit wu = a.work[blockIdx.x];
@@ -65,7 +67,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   };
   clear_warp_state();
   const bool has_history = wu.partial >= 0, has_exact = wu.exact_partial >= 0;
-  if (has_history && has_exact) PrefetchExactRowsL2<D>(a, item, wu);
+  if (has_history && has_exact) PrefetchExactRowsL2<D>(a, wu);
   if (has_history) {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (wu.end - wu.begin) * cpp;
@@ -102,6 +104,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       }
       WaitForPrerequisites();  // the prep kernel's query fragments
       LaunchDependents();
+      Trace(trace, blockIdx.x, kTraceWaited);
       if (iters > 0) {
         hw.InitQuery(a, wu.item, wu.kv_head, lane);
         const int ablate = a.ablate;
@@ -144,6 +147,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         if (iters > 1) hw.LoadK(rb, page_of(1), in_page(1));
         WaitForPrerequisites();  // the prep kernel's query fragments
         LaunchDependents();
+        Trace(trace, blockIdx.x, kTraceWaited);
         if (iters > 0) {
           hw.InitQuery(a, wu.item, wu.kv_head, lane);
           hw.Logits(ra, lga);
@@ -170,6 +174,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         if (kPrefetch && iters > 1) hw.Load(rb, page_of(1), in_page(1));
         WaitForPrerequisites();  // the prep kernel's query fragments
         LaunchDependents();
+        Trace(trace, blockIdx.x, kTraceWaited);
         if (iters > 0) {
           hw.InitQuery(a, wu.item, wu.kv_head, lane);
           int it = 0;
@@ -196,7 +201,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         }
       }
     }
+    Trace(trace, blockIdx.x, kTraceLoopDone);
     WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
+    Trace(trace, blockIdx.x, kTraceWritten);
   }
   if (has_exact) {
     if (has_history) {
@@ -214,7 +221,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     int base = 0;
     auto fetch_ref = [&](int b0) {
       ExactBlockRef r{nullptr, 0};
-      if (b0 + lane < nb) r = item.exact[wu.exact_begin + b0 + lane];
+      if (b0 + lane < nb) r = wu.exact[b0 + lane];
       return r;
     };
     ExactBlockRef my_ref = fetch_ref(0);
@@ -241,6 +248,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
     WaitForPrerequisites();  // the prep kernel's scaled queries
     LaunchDependents();
+    Trace(trace, blockIdx.x, kTraceExactWaited);
     if (e < nb) {
       ex.Init(a, wu.item, wu.kv_head, lane);
       while (e < nb) {
@@ -251,8 +259,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       }
       ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
     }
+    Trace(trace, blockIdx.x, kTraceExactDone);
     WritePartial<D, HG>(a, wu.exact_partial, sm_o, sm_m, sm_l);
   }
+  Trace(trace, blockIdx.x, kTraceEnd);
 }
 
 // Launches `kernel` with programmatic stream serialization (PDL) allowed.
@@ -490,6 +500,33 @@ absl::StatusOr<int> ClusterCapacity(const LaunchShape& s) { OSCARKV_DISPATCH(Clu
 
 absl::StatusOr<int> AttendClusterCapacity(int threads, int cluster_size) {
   return cuda_attend::ClusterKernelCapacity(threads, cluster_size);
+}
+
+namespace {
+// One thread reads %globaltimer `n` times; out[0] = the smallest nonzero step.
+__global__ void TimerStepKernel(int n, unsigned long long* out) {
+  unsigned long long prev, best = ~0ull;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(prev));
+  for (int i = 0; i < n; ++i) {
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    if (t != prev && t - prev < best) best = t - prev;
+    prev = t;
+  }
+  out[0] = best;
+}
+}  // namespace
+
+absl::StatusOr<double> AttendTraceTimerStepNs() {
+  unsigned long long* dev = nullptr;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev, sizeof(unsigned long long)));
+  TimerStepKernel<<<1, 1>>>(1 << 16, dev);
+  unsigned long long step = 0;
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) err = cudaMemcpy(&step, dev, sizeof(step), cudaMemcpyDeviceToHost);
+  cudaFree(dev);
+  OSCARKV_CUDA_RETURN_IF_ERROR(err);
+  return static_cast<double>(step);
 }
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {

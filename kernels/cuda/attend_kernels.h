@@ -50,6 +50,14 @@ struct AttendSchedule {
   int cluster_blocks = 0;
 };
 
+// For benchmarks: the per-block timeline of one call's kernels
+// (AttendLauncher::set_trace): rows[k] holds kernel k's blocks
+// (cuda_attend::TraceKernel), cuda_attend::kTraceMarks words each.
+struct AttendTrace {
+  std::vector<unsigned long long> rows[cuda_attend::kTraceKernels];
+  size_t blocks(int kernel) const { return rows[kernel].size() / cuda_attend::kTraceMarks; }
+};
+
 class AttendLauncher {
  public:
   // `device` is the CUDA device the launcher's memory lives on.
@@ -155,6 +163,14 @@ class AttendLauncher {
   // Takes effect at the next Prepare().
   void set_ablate(int bits) { ablate_ = bits; }
 
+  // For benchmarks only: every block of the prep, split and merge kernels
+  // records when it passes each cuda_attend::TraceMarkIndex (a few stores
+  // per block from thread 0; variant 11's cluster kernel records nothing).
+  // ReadTrace returns the last launch's rows (it waits for `stream`) and
+  // clears them for the next one. Takes effect at the next Prepare().
+  void set_trace(bool on) { trace_ = on; }
+  absl::StatusOr<AttendTrace> ReadTrace(cudaStream_t stream) const;
+
   // Entries (page pointers) of the device array that holds the copies of
   // named page tables (AttendItem::page_table_id; see page_table_cache.h):
   // it starts at `initial` (at least twice the first batch's need) and, when
@@ -183,6 +199,7 @@ class AttendLauncher {
   int variant_ = kDefaultVariant;
   cuda_attend::FoldExact fold_exact_ = cuda_attend::FoldExact::kAuto;
   int ablate_ = 0;
+  bool trace_ = false;
   int stages_ = 3;
   // Pinned staging of the upload; the workspace (device): the uploaded region,
   // then device-only scratch (query fragments, partials); the outputs, in
@@ -229,6 +246,11 @@ class AttendLauncher {
 // `cluster_size` blocks per cluster (the multiprocessors of a cluster share
 // a GPC).
 absl::StatusOr<int> AttendClusterCapacity(int threads, int cluster_size);
+
+// For benchmarks: the smallest step, in ns, of the %globaltimer that
+// AttendLauncher::set_trace's timestamps read (measured on the current
+// device by one thread reading it in a loop).
+absl::StatusOr<double> AttendTraceTimerStepNs();
 
 }  // namespace oscarkv
 

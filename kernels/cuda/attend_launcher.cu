@@ -31,6 +31,9 @@ struct AttendLauncher::Prepared {
   LaunchArgs args{};
   LaunchShape shape{};
   bool valid = false;  // Prepare succeeded; cleared when the next one starts
+  // set_trace: blocks of each kernel (their rows follow each other in the
+  // workspace from args.trace[0]); all 0 when off.
+  size_t trace_blocks[cuda_attend::kTraceKernels] = {0, 0, 0};
 };
 
 namespace {
@@ -238,7 +241,17 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       AlignUp(off_part + size_t(sizes.partials) * cuda_attend::PartialFloats(g, D) * 4);
   const size_t counts_bytes =
       shape.cluster_blocks > 0 && clusters_per_head > 1 ? sizeof(unsigned) * n * H : 0;
-  const size_t total = AlignUp(off_counts + counts_bytes);
+  // set_trace: one row per block of each kernel (none for the cluster kernel).
+  size_t trace_blocks[cuda_attend::kTraceKernels] = {0, 0, 0};
+  if (trace_ && shape.cluster_blocks == 0) {
+    trace_blocks[cuda_attend::kTracePrep] = size_t(n) * b.num_q_heads;
+    trace_blocks[cuda_attend::kTraceSplit] = size_t(num_work);
+    trace_blocks[cuda_attend::kTraceMerge] = size_t(n) * b.num_q_heads * (D / 32);
+  }
+  const size_t trace_words = (trace_blocks[0] + trace_blocks[1] + trace_blocks[2]) *
+                             cuda_attend::kTraceMarks;
+  const size_t off_trace = AlignUp(off_counts + counts_bytes);
+  const size_t total = AlignUp(off_trace + trace_words * sizeof(unsigned long long));
 
   // The staging buffer may still feed the previous upload.
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventSynchronize(upload_done_));
@@ -321,6 +334,10 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   } else {
     cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, items);
   }
+  for (long u = 0; u < num_work; ++u) {
+    WorkUnit& wu = work[u];
+    wu.exact = wu.exact_end > wu.exact_begin ? items[wu.item].exact + wu.exact_begin : nullptr;
+  }
   int max_splits = 0;
   for (int i = 0; i < n; ++i) {
     max_splits = std::max(max_splits, items[i].hist_splits + items[i].exact_splits);
@@ -335,6 +352,11 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   // The cluster kernel's counts start at zero; each launch leaves them so.
   if (counts_bytes > 0) {
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dev + off_counts, 0, counts_bytes, stream));
+  }
+  // Marks a block does not pass stay 0.
+  if (trace_words > 0) {
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
+        dev + off_trace, 0, trace_words * sizeof(unsigned long long), stream));
   }
 
   shape.num_work = w;
@@ -352,6 +374,25 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.partials = reinterpret_cast<float*>(dev + off_part);
   a.clusters_per_head = clusters_per_head;
   a.cluster_counts = reinterpret_cast<unsigned*>(dev + off_counts);
+  a.queries = dev_queries;
+  // One rotation for every item (the usual one-layer batch): the prep
+  // kernel skips reading the item plans.
+  a.rotation = RotationRef{};
+  if (n > 0 && b.items[0].rotation.r_k != nullptr && b.items[0].rotation.r_v != nullptr) {
+    bool same = true;
+    for (int i = 1; i < n && same; ++i) {
+      const RotationRef& r = b.items[i].rotation;
+      same = r.r_k == b.items[0].rotation.r_k && r.r_v == b.items[0].rotation.r_v &&
+             r.stride == b.items[0].rotation.stride;
+    }
+    if (same) a.rotation = b.items[0].rotation;
+  }
+  auto* trace_rows = reinterpret_cast<unsigned long long*>(dev + off_trace);
+  for (int k = 0; k < cuda_attend::kTraceKernels; ++k) {
+    prepared_->trace_blocks[k] = trace_blocks[k];
+    a.trace[k] = trace_words > 0 ? trace_rows : nullptr;
+    trace_rows += trace_blocks[k] * cuda_attend::kTraceMarks;
+  }
   prepared_->shape = shape;
   prepared_->valid = true;
 
@@ -438,6 +479,25 @@ absl::Status AttendLauncher::Launch(cudaStream_t stream) const {
     return absl::FailedPreconditionError("attention launch without a successful Prepare");
   }
   return cuda_attend::LaunchAttention(prepared_->args, prepared_->shape, stream);
+}
+
+absl::StatusOr<AttendTrace> AttendLauncher::ReadTrace(cudaStream_t stream) const {
+  if (!prepared_->valid) {
+    return absl::FailedPreconditionError("attention trace without a successful Prepare");
+  }
+  AttendTrace t;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  for (int k = 0; k < cuda_attend::kTraceKernels; ++k) {
+    const size_t words = prepared_->trace_blocks[k] * cuda_attend::kTraceMarks;
+    if (words == 0) continue;
+    t.rows[k].resize(words);
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpy(t.rows[k].data(), prepared_->args.trace[k],
+                                            words * sizeof(unsigned long long),
+                                            cudaMemcpyDeviceToHost));
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(prepared_->args.trace[k], 0,
+                                                 words * sizeof(unsigned long long), stream));
+  }
+  return t;
 }
 
 void AttendLauncher::CopyResults(const AttendBatch& b) const {

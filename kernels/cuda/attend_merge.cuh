@@ -13,30 +13,38 @@ constexpr float kLn2 = 0.69314718055994531f;
 
 // Combines the W warps' (m, l, acc) of each of the g heads, held in shared
 // memory, into one partial at `out` (acc [g][D], then m [g], then l [g]:
-// PartialFloats) with the block's kBlockThreads threads. Starts with a block
-// barrier (the warps' states written).
+// PartialFloats) with the block's kBlockThreads threads (at least HG). Starts
+// with a block barrier (the warps' states written). Each warp's weight per
+// head is computed once (thread hh, into shared memory) rather than by every
+// thread of the head: a B = 1 call waits on this tail of the split kernel.
 template <int D, int HG, int W, int kBlockThreads>
 __device__ void CombineWarpStates(int g, const float (*sm_o)[HG][D], const float (*sm_m)[HG],
                                   const float (*sm_l)[HG], float* out) {
+  static_assert(kBlockThreads >= HG, "one thread per head computes the weights");
+  __shared__ float wt[HG][W];
+  __syncthreads();
+  if (threadIdx.x < g) {
+    const int hh = threadIdx.x;
+    float M = -INFINITY;
+    for (int w = 0; w < W; ++w) M = fmaxf(M, sm_m[w][hh]);
+    float L = 0.0f;
+    for (int w = 0; w < W; ++w) {
+      const float x = (M == -INFINITY || sm_m[w][hh] == -INFINITY) ? 0.0f : exp2f(sm_m[w][hh] - M);
+      wt[hh][w] = x;
+      L += x * sm_l[w][hh];
+    }
+    out[g * D + hh] = M;
+    out[g * D + g + hh] = L;
+  }
   __syncthreads();
   for (int idx = threadIdx.x; idx < g * D; idx += kBlockThreads) {
     const int hh = idx / D, d = idx % D;
-    float M = -INFINITY;
-    for (int w = 0; w < W; ++w) M = fmaxf(M, sm_m[w][hh]);
-    float L = 0.0f, A = 0.0f;
-    if (M != -INFINITY) {
-      for (int w = 0; w < W; ++w) {
-        if (sm_m[w][hh] == -INFINITY) continue;
-        const float wt = exp2f(sm_m[w][hh] - M);
-        L += wt * sm_l[w][hh];
-        A += wt * sm_o[w][hh][d];
-      }
+    float A = 0.0f;
+    for (int w = 0; w < W; ++w) {
+      // A warp without tokens left its sm_o unwritten (weight 0).
+      if (wt[hh][w] != 0.0f) A += wt[hh][w] * sm_o[w][hh][d];
     }
     out[hh * D + d] = A;
-    if (d == 0) {
-      out[g * D + hh] = M;
-      out[g * D + g + hh] = L;
-    }
   }
 }
 
@@ -72,13 +80,21 @@ struct MergeState {
 #pragma unroll
     for (int e = 0; e < EL; ++e) acc[e] = 0.0f;
   }
-  __device__ void Add(float pm, float pl, const float (&pa)[EL]) {
-    const float mn = fmaxf(m, pm);
-    const float f1 = exp2f(m - mn), f2 = exp2f(pm - mn);
-    l = l * f1 + pl * f2;
+  // Moves the running max to cover `mx` (a batch's max), rescaling l and acc.
+  __device__ void MoveMax(float mx) {
+    const float mn = fmaxf(m, mx);
+    if (mn == -INFINITY) return;  // still empty
+    const float f = exp2f(m - mn);  // 0 while empty
+    l *= f;
 #pragma unroll
-    for (int e = 0; e < EL; ++e) acc[e] = acc[e] * f1 + pa[e] * f2;
+    for (int e = 0; e < EL; ++e) acc[e] *= f;
     m = mn;
+  }
+  // Adds a partial with weight w = 2^(its m - this m) (0: not this set's).
+  __device__ __forceinline__ void Add(float w, float pl, const float (&pa)[EL]) {
+    l = fmaf(w, pl, l);
+#pragma unroll
+    for (int e = 0; e < EL; ++e) acc[e] = fmaf(w, pa[e], acc[e]);
   }
 };
 
@@ -125,8 +141,12 @@ __device__ void CombineWarps(const MergeState<D> (&st)[2], float (*sm_a)[kWarps]
 // one pass, so the block waits for memory once, not once per set), un-rotate
 // (o'·R_Vᵀ) the history part's slice, merge the two with the online-softmax
 // rule exactly like MergeAttention, write the slice of out (and lse from
-// slice 0). The R_V rows of the slice are loaded before waiting for the split
-// kernel, so their latency is hidden.
+// slice 0). The R_V rows of the slice and the item's plan are read before
+// waiting for the split kernel, so their latency is hidden. A B = 1 call
+// waits on this kernel's instructions, one warp per scheduler (H200,
+// 2026-11-30, run 19): each batch of partials is loaded from one pointer
+// step per partial, and combined by its max first, so that the weights are
+// independent exponentials instead of a chain of rescales.
 template <int D, bool kWide>
 __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArgs a) {
   constexpr int EL = D / 32, kSlice = 32, kPerWarp = kSlice / kWarps;
@@ -137,8 +157,16 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   __shared__ float o_hist[kSlice];
   const int item_idx = blockIdx.x, qh = blockIdx.y, j0 = blockIdx.z * kSlice;
   const int warp = WarpIndex(), lane = threadIdx.x & 31;
-  const ItemPlan& item = a.items[item_idx];  // uploaded before the prep kernel
+  const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  unsigned long long* const trace = a.trace[kTraceMerge];
+  Trace(trace, block, kTraceStart);
+  // The item's plan was uploaded before the prep kernel: read before waiting.
+  const ItemPlan& item = a.items[item_idx];
   const int g = a.g, h = qh / g, hh = qh % g;
+  const int nh = item.hist_splits, ne = item.exact_splits, n = nh + ne;
+  const int hfirst = item.hist_begin + h * nh, efirst = item.exact_begin + h * ne;
+  float* const out = item.out;
+  float* const lse_out = item.lse;
   float rr[kPerWarp][EL];
   if (item.num_pages > 0) {
     const float* rv = item.rotation.r_v + item.rotation.stride * h;
@@ -150,43 +178,52 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
     }
   }
   WaitForPrerequisites();  // the split kernel's partials
+  Trace(trace, block, kTraceWaited);
 
-  // Entries [0, nh) are history partials, [nh, nh + ne) exact ones.
-  const int nh = item.hist_splits, ne = item.exact_splits;
-  const int hfirst = item.hist_begin + h * nh, efirst = item.exact_begin + h * ne;
+  // Entries [0, nh) are history partials, [nh, n) exact ones; this warp
+  // takes entries warp + kWarps·u. Each entry's row of head hh: acc at
+  // hh·D, m at g·D + hh, l at g·D + g + hh.
+  const size_t pf = PartialFloats(g, D);
+  const float* const hrow = a.partials + size_t(hfirst) * pf;
+  const float* const erow = a.partials + size_t(efirst) * pf;
+  const int m_off = g * D + hh, l_off = g * D + g + hh, a_off = hh * D + lane;
   MergeState<D> st[2];
   st[0].Clear();
   st[1].Clear();
-  for (int s0 = warp; s0 < nh + ne; s0 += kBatch * kWarps) {
+  for (int s0 = warp; s0 < n; s0 += kBatch * kWarps) {
     float pm[kBatch], pl[kBatch], pa[kBatch][EL];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       const int s = s0 + u * kWarps;
-      pm[u] = -INFINITY;
-      pl[u] = 0.0f;
+      const float* p = s < nh ? hrow + size_t(s) * pf : erow + size_t(s - nh) * pf;
+      const bool valid = s < n;
+      pm[u] = valid ? p[m_off] : -INFINITY;
+      pl[u] = valid ? p[l_off] : 0.0f;
 #pragma unroll
-      for (int e = 0; e < EL; ++e) pa[u][e] = 0.0f;
-      if (s < nh + ne) {
-        const int partial = s < nh ? hfirst + s : efirst + (s - nh);
-        const float* p = a.partials + size_t(partial) * PartialFloats(g, D);
-        pm[u] = p[g * D + hh];
-        pl[u] = p[g * D + g + hh];
-#pragma unroll
-        for (int e = 0; e < EL; ++e) pa[u][e] = p[hh * D + lane + 32 * e];
-      }
+      for (int e = 0; e < EL; ++e) pa[u][e] = valid ? p[a_off + 32 * e] : 0.0f;
     }
+    // The batch's max of each set, then one weight per partial.
+    float mx[2] = {-INFINITY, -INFINITY};
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (pm[u] == -INFINITY) continue;
-      if (s0 + u * kWarps < nh) {
-        st[0].Add(pm[u], pl[u], pa[u]);
-      } else {
-        st[1].Add(pm[u], pl[u], pa[u]);
-      }
+      const bool exact = s0 + u * kWarps >= nh;
+      mx[0] = exact ? mx[0] : fmaxf(mx[0], pm[u]);
+      mx[1] = exact ? fmaxf(mx[1], pm[u]) : mx[1];
+    }
+    st[0].MoveMax(mx[0]);
+    st[1].MoveMax(mx[1]);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const bool exact = s0 + u * kWarps >= nh;
+      const float w = pm[u] == -INFINITY ? 0.0f : exp2f(pm[u] - (exact ? st[1].m : st[0].m));
+      st[0].Add(exact ? 0.0f : w, pl[u], pa[u]);
+      st[1].Add(exact ? w : 0.0f, pl[u], pa[u]);
     }
   }
+  Trace(trace, block, kTraceWritten);
   float lse2[2];
   CombineWarps<D>(st, sm_a, sm_m, sm_l, o_set, lse2);
+  Trace(trace, block, kTraceLoopDone);
   const float lse_h2 = lse2[0], lse_e2 = lse2[1];
   if (lse_h2 != -INFINITY) {
 #pragma unroll
@@ -205,9 +242,10 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   float lse = -INFINITY;
   if (threadIdx.x < kSlice) {
     const int d = threadIdx.x;
-    item.out[size_t(qh) * D + j0 + d] = MergeSets(lse_e2, o_set[1][j0 + d], lse_h2, o_hist[d], &lse);
+    out[size_t(qh) * D + j0 + d] = MergeSets(lse_e2, o_set[1][j0 + d], lse_h2, o_hist[d], &lse);
   }
-  if (threadIdx.x == 0 && blockIdx.z == 0 && item.lse != nullptr) item.lse[qh] = lse;
+  if (threadIdx.x == 0 && blockIdx.z == 0 && lse_out != nullptr) lse_out[qh] = lse;
+  Trace(trace, block, kTraceEnd);
 }
 
 }  // namespace cuda_attend

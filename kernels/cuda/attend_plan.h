@@ -50,6 +50,10 @@ struct WorkUnit {
   int exact_begin = 0;
   int exact_end = 0;
   int exact_partial = -1;
+  // The item's exact + exact_begin on the device (set by the launcher for a
+  // unit with an exact part): its blocks are found without reading the item
+  // plan first, one dependent load less before their rows.
+  const ExactBlockRef* exact = nullptr;
 };
 
 // Floats per partial: acc [g][D], then m [g], then l [g].
@@ -71,6 +75,27 @@ inline constexpr int kMaxClustersPerHead = 16;
 
 // Per query head: {2^E, qsum[4 groups], 0, 0, 0} (see the prep kernel).
 inline constexpr int kQueryMetaFloats = 8;
+
+// Benchmarks only (AttendLauncher::set_trace): a per-block timeline of the
+// prep, split and merge kernels of one call. Each block writes one row of
+// kTraceMarks 64-bit words: %globaltimer (ns) at the marks it passes (0 at
+// the others) and, in word kTraceSm, the multiprocessor it ran on. Thread 0
+// writes them, so "done" marks of a warp are warp 0's.
+inline constexpr int kTraceMarks = 8;
+enum TraceKernel : int { kTracePrep = 0, kTraceSplit = 1, kTraceMerge = 2, kTraceKernels = 3 };
+enum TraceMarkIndex : int {
+  kTraceStart = 0,  // every kernel: the block's first instruction
+  kTraceSm = 1,     // every kernel: %smid (not a time)
+  // split, history part / merge: the PDL wait returned; prep: q·R_K summed
+  kTraceWaited = 2,
+  // split: warp 0's history loop ended; merge: the block's warps combined;
+  // prep: q' and its statistics in shared memory
+  kTraceLoopDone = 3,
+  kTraceWritten = 4,      // split: the history partial written; merge: warp 0's partials added
+  kTraceExactWaited = 5,  // split, exact part: the PDL wait returned
+  kTraceExactDone = 6,    // split: warp 0's exact blocks done
+  kTraceEnd = 7,          // every kernel: thread 0's last instruction
+};
 
 }  // namespace cuda_attend
 }  // namespace oscarkv

@@ -159,12 +159,23 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
   const int g = a.g, h = qh / g, hh = qh % g;
   const int tid = threadIdx.x;
   const bool kIntFormat = a.int_qk && D == 128 && !G8;
+  Trace(a.trace[kTracePrep], blockIdx.x, kTraceStart);
   WaitForPrerequisites();
   LaunchDependents();
-  const ItemPlan& item = a.items[item_idx];
-  const bool has_history = item.num_pages > 0;
+  // With one rotation for the batch, R_K and q are read straight away (an
+  // item without history then gets fragments nobody reads); else the item's
+  // plan says whether it has history and where its rotation is.
+  const float* rk;
+  bool has_history;
+  if (a.rotation.r_k != nullptr) {
+    rk = a.rotation.r_k + a.rotation.stride * h;
+    has_history = true;
+  } else {
+    const ItemPlan& item = a.items[item_idx];
+    rk = item.rotation.r_k + item.rotation.stride * h;
+    has_history = item.num_pages > 0;
+  }
   const int cg = tid % CG, slice = tid / CG;
-  const float* rk = item.rotation.r_k + item.rotation.stride * h;
   const bool vec = (reinterpret_cast<uintptr_t>(rk) & 15u) == 0;
   float4 rv[kRows];
   if (has_history) {
@@ -182,7 +193,7 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
       }
     }
   }
-  const float* q = item.q + size_t(qh) * D;
+  const float* q = a.queries + size_t(head_idx) * D;
   for (int d = tid; d < D; d += kThreadsH) {
     const float x = q[d];
     qin[d] = x;
@@ -207,6 +218,7 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
     red[slice][4 * cg + 3] = acc.w;
   }
   __syncthreads();
+  Trace(a.trace[kTracePrep], blockIdx.x, kTraceWaited);
   for (int d = tid; d < D; d += kThreadsH) {
     float s = 0.0f;
 #pragma unroll
@@ -234,6 +246,7 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
     }
   }
   __syncthreads();
+  Trace(a.trace[kTracePrep], blockIdx.x, kTraceLoopDone);
   float mx = 0.0f, qsum[4];
 #pragma unroll
   for (int r = 0; r < 4; ++r) {
@@ -244,6 +257,7 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
   QueryScale(mx, kIntFormat, &inv, &mult);
   if (tid == 0) WriteQueryMeta(a, head_idx, mult, qsum, D);
   WriteQueryFragments<D, G8>(a, item_idx, h, hh, kIntFormat, qs, inv);
+  Trace(a.trace[kTracePrep], blockIdx.x, kTraceEnd);
 }
 
 }  // namespace cuda_attend

@@ -31,8 +31,12 @@ struct UnitSizes {
 };
 
 // History is "light" when the history units would hold at most this many
-// pages each in one full wave.
-inline constexpr long kLightPagesPerUnit = 16;
+// pages each in one full wave. (H200, 2026-11-30, B1 32K, 24 pages per unit:
+// with 16, 40 exact units of 2 blocks each ended 1.4 us after the history
+// units, on the critical path; with 32, 80 units of one block end 6.5 us
+// before them, and the call takes 24.0 against 25.1 us; tests/bench/
+// RESULTS.md run 19.)
+inline constexpr long kLightPagesPerUnit = 32;
 
 // Whether the exact blocks of items with history ride on their history units.
 enum class FoldExact {

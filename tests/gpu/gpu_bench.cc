@@ -20,6 +20,11 @@
 //                                       see AttendLauncher::set_ablate)
 //                     [--fold 0|1|2]  (where the exact blocks run: auto, on the history units,
 //                                      in units of their own: see AttendLauncher::set_fold_exact)
+//                     [--trace N]  (after each row, N more calls, each queued behind a hold,
+//                                   with per-block timestamps (AttendLauncher::set_trace),
+//                                   summarized: when the first / median / last block of each
+//                                   kernel passes each mark); with --trace-twice each traced
+//                                   call is the second of two in a row on the same inputs
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -39,6 +44,7 @@
 #include "kernels/cuda/cuda_backend.h"
 #include "kernels/hadamard.h"
 #include "nlohmann/json.hpp"
+#include "tests/gpu/attend_trace_summary.h"
 #include "tests/gpu/gpu_test_util.h"
 
 namespace oscarkv {
@@ -150,6 +156,8 @@ int Main(int argc, char** argv) {
   std::vector<int> only_variants;  // empty: all
   int ablate = 0;
   int fold_exact = 0;
+  int trace_calls = 0;
+  bool trace_twice = false;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--baseline" && i + 1 < argc) baseline_path = argv[++i];
@@ -158,6 +166,8 @@ int Main(int argc, char** argv) {
     else if (a == "--only" && i + 1 < argc) only = argv[++i];
     else if (a == "--ablate" && i + 1 < argc) ablate = std::atoi(argv[++i]);
     else if (a == "--fold" && i + 1 < argc) fold_exact = std::atoi(argv[++i]);
+    else if (a == "--trace" && i + 1 < argc) trace_calls = std::atoi(argv[++i]);
+    else if (a == "--trace-twice") trace_twice = true;
     else if (a == "--variant" && i + 1 < argc) {
       // One variant or a comma-separated list.
       for (const char* p = argv[++i]; *p != '\0';) {
@@ -170,7 +180,8 @@ int Main(int argc, char** argv) {
     else {
       std::fprintf(stderr,
                    "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] "
-                   "[--only B1_S131072] [--variant N[,N...]] [--ablate BITS] [--fold 0|1|2]\n",
+                   "[--only B1_S131072] [--variant N[,N...]] [--ablate BITS] [--fold 0|1|2] "
+                   "[--trace N [--trace-twice]]\n",
                    argv[0]);
       return 2;
     }
@@ -220,6 +231,11 @@ int Main(int argc, char** argv) {
                 floor_us[0], floor_us[1]);
     out["floor_1op_us"] = floor_us[0];
     out["floor_3op_us"] = floor_us[1];
+  }
+  if (trace_calls > 0) {
+    auto step = AttendTraceTimerStepNs();
+    CKS(step.status());
+    std::printf("trace timer (%%globaltimer): smallest step %.0f ns\n", *step);
   }
   // How many clusters of the cluster kernel (variant 11) fit at once, by
   // block and cluster size: the multiprocessors of a cluster must share a GPC.
@@ -596,6 +612,39 @@ int Main(int argc, char** argv) {
                   "(split adds %.1f, merge adds %.1f)\n",
                   "", stage_us[0], stage_us[1], gpu_us, stage_us[1] - stage_us[0],
                   gpu_us - stage_us[1]);
+    }
+    if (trace_calls > 0) {
+      // Calls one by one, each set in turn (L2 stays cold for the pages).
+      std::vector<AttendTrace> traces;
+      for (int s = 0; s < sets; ++s) {
+        launchers[s]->set_trace(true);
+        CKS(launchers[s]->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
+      }
+      for (int i = 0; i < sets + trace_calls; ++i) {
+        // Queued behind a hold, as the GPU-side timings: the GPU sees the
+        // three launches at once, not as the host issues them.
+        std::atomic<int> go{0};
+        CK(cudaLaunchHostFunc(
+            stream,
+            [](void* p) {
+              auto* flag = static_cast<std::atomic<int>*>(p);
+              while (flag->load(std::memory_order_acquire) == 0) {
+              }
+            },
+            &go));
+        CKS(launchers[i % sets]->Launch(stream));
+        if (trace_twice) CKS(launchers[i % sets]->Launch(stream));
+        go.store(1, std::memory_order_release);
+        auto t = launchers[i % sets]->ReadTrace(stream);
+        CKS(t.status());
+        if (i >= sets) traces.push_back(std::move(t).value());
+      }
+      for (int s = 0; s < sets; ++s) launchers[s]->set_trace(false);
+      std::printf("%-13s   trace, median of %d calls%s, us from the first prep block's start "
+                  "(first / median / last block):\n", "", trace_calls,
+                  trace_twice ? " (each the second of two calls in a row: code and data warm)"
+                              : "");
+      gputest::PrintTraceSummary(traces, "                  ");
     }
     const auto& sc = launchers[0]->schedule();
     rows.push_back({{"shape", key}, {"variant", variant}, {"us", us}, {"graph_us", graph_us}, {"call_us", call_us},

@@ -1,0 +1,126 @@
+// Benchmark helper: summarizes the per-block timelines of decode-attention
+// calls (AttendLauncher::set_trace) as the times, from the call's first prep
+// block start, at which the first, median and last block of each kernel pass
+// each mark, and how long the split blocks' own phases take. Each figure is
+// the median over the calls given.
+#ifndef OSCARKV_TESTS_GPU_ATTEND_TRACE_SUMMARY_H_
+#define OSCARKV_TESTS_GPU_ATTEND_TRACE_SUMMARY_H_
+
+#include <algorithm>
+#include <cstdio>
+#include <map>
+#include <string>
+#include <vector>
+
+#include "kernels/cuda/attend_kernels.h"
+
+namespace oscarkv {
+namespace gputest {
+
+// First, median and last of a set of times (µs); n = how many blocks had it.
+struct Spread {
+  double first = 0, median = 0, last = 0;
+  size_t n = 0;
+};
+
+inline Spread SpreadOf(std::vector<double> v) {
+  Spread s;
+  s.n = v.size();
+  if (v.empty()) return s;
+  std::sort(v.begin(), v.end());
+  s.first = v.front();
+  s.median = v[v.size() / 2];
+  s.last = v.back();
+  return s;
+}
+
+// One call's figures, by name ("split.waited" etc.), each a Spread.
+inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
+  using namespace cuda_attend;
+  std::map<std::string, Spread> out;
+  unsigned long long t0 = ~0ull;
+  for (int k = 0; k < kTraceKernels; ++k) {
+    for (size_t b = 0; b < t.blocks(k); ++b) {
+      const unsigned long long s = t.rows[k][b * kTraceMarks + kTraceStart];
+      if (s != 0) t0 = std::min(t0, s);
+    }
+  }
+  if (t0 == ~0ull) return out;
+  const char* kernel_names[kTraceKernels] = {"prep", "split", "merge"};
+  // What each mark means in each kernel (attend_plan.h); "" = unused.
+  const char* mark_names[kTraceKernels][kTraceMarks] = {
+      {"start", "", "rk_product", "stats", "", "", "", "end"},
+      {"start", "", "waited", "loop_done", "written", "exact_waited", "exact_done", "end"},
+      {"start", "", "waited", "combined", "warp0_added", "", "", "end"},
+  };
+  for (int k = 0; k < kTraceKernels; ++k) {
+    std::vector<double> at[kTraceMarks];
+    std::vector<double> history_run, exact_run, block_run;
+    for (size_t b = 0; b < t.blocks(k); ++b) {
+      const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
+      // Differences in integers first: a double cannot hold the raw ns.
+      auto us = [&](int m) { return double(static_cast<long long>(row[m] - t0)) / 1e3; };
+      for (int m = 0; m < kTraceMarks; ++m) {
+        if (*mark_names[k][m] != '\0' && row[m] != 0) at[m].push_back(us(m));
+      }
+      if (row[kTraceStart] != 0 && row[kTraceEnd] != 0) {
+        block_run.push_back(us(kTraceEnd) - us(kTraceStart));
+      }
+      if (k == kTraceSplit && row[kTraceWaited] != 0 && row[kTraceLoopDone] != 0) {
+        history_run.push_back(us(kTraceLoopDone) - us(kTraceWaited));
+      }
+      if (k == kTraceSplit && row[kTraceExactWaited] != 0 && row[kTraceExactDone] != 0) {
+        exact_run.push_back(us(kTraceExactDone) - us(kTraceExactWaited));
+      }
+    }
+    for (int m = 0; m < kTraceMarks; ++m) {
+      if (!at[m].empty()) {
+        out[std::string(kernel_names[k]) + "." + mark_names[k][m]] = SpreadOf(at[m]);
+      }
+    }
+    out[std::string(kernel_names[k]) + ".block_us"] = SpreadOf(block_run);
+    if (k == kTraceSplit) {
+      out["split.history_loop_us"] = SpreadOf(history_run);
+      out["split.exact_part_us"] = SpreadOf(exact_run);
+    }
+  }
+  return out;
+}
+
+// Prints the median over `calls` of every figure, one line per figure, as
+// "first / median / last (blocks)", in µs from the first prep block's start.
+inline void PrintTraceSummary(const std::vector<AttendTrace>& calls, const char* indent) {
+  std::map<std::string, std::vector<Spread>> all;
+  for (const AttendTrace& t : calls) {
+    for (const auto& [name, s] : TraceFigures(t)) all[name].push_back(s);
+  }
+  auto median = [](std::vector<double> v) {
+    std::sort(v.begin(), v.end());
+    return v.empty() ? 0.0 : v[v.size() / 2];
+  };
+  // Kernel order, then the marks in the order a block passes them.
+  const char* order[] = {"prep.start",         "prep.rk_product",     "prep.stats",
+                         "prep.end",           "prep.block_us",       "split.start",
+                         "split.waited",       "split.loop_done",     "split.written",
+                         "split.exact_waited", "split.exact_done",    "split.end",
+                         "split.block_us",     "split.history_loop_us", "split.exact_part_us",
+                         "merge.start",        "merge.waited",        "merge.warp0_added",
+                         "merge.combined",     "merge.end",           "merge.block_us"};
+  for (const char* name : order) {
+    const auto it = all.find(name);
+    if (it == all.end() || it->second.empty() || it->second[0].n == 0) continue;
+    std::vector<double> f, m, l;
+    for (const Spread& s : it->second) {
+      f.push_back(s.first);
+      m.push_back(s.median);
+      l.push_back(s.last);
+    }
+    std::printf("%s%-22s %7.2f / %7.2f / %7.2f us  (%zu blocks)\n", indent, name, median(f),
+                median(m), median(l), it->second[0].n);
+  }
+}
+
+}  // namespace gputest
+}  // namespace oscarkv
+
+#endif  // OSCARKV_TESTS_GPU_ATTEND_TRACE_SUMMARY_H_
