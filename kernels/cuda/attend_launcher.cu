@@ -185,7 +185,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_);
   }
   const long num_work = sizes.num_work();
-  if (num_work > (1L << 30) || sizes.partials > (1L << 30) || total_pages > (1L << 30)) {
+  // The merge kernel addresses the partials with 32-bit float offsets.
+  const long partial_floats = sizes.partials * static_cast<long>(cuda_attend::PartialFloats(g, D));
+  if (num_work > (1L << 30) || partial_floats >= (1L << 31) || total_pages > (1L << 30)) {
     return absl::InvalidArgumentError("attention batch too large for one launch");
   }
   // Named page tables have device copies: only their new entries are

@@ -90,9 +90,9 @@ struct MergeState {
     for (int e = 0; e < EL; ++e) acc[e] *= f;
     m = mn;
   }
-  // Adds a partial with weight w = 2^(its m - this m) (0: not this set's).
-  __device__ __forceinline__ void Add(float w, float pl, const float (&pa)[EL]) {
-    l = fmaf(w, pl, l);
+  // Adds a partial's acc with weight w = 2^(its m - this m) (0: not this
+  // set's; its l is added by the caller).
+  __device__ __forceinline__ void Add(float w, const float (&pa)[EL]) {
 #pragma unroll
     for (int e = 0; e < EL; ++e) acc[e] = fmaf(w, pa[e], acc[e]);
   }
@@ -180,44 +180,71 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   WaitForPrerequisites();  // the split kernel's partials
   Trace(trace, block, kTraceWaited);
 
-  // Entries [0, nh) are history partials, [nh, n) exact ones; this warp
-  // takes entries warp + kWarps·u. Each entry's row of head hh: acc at
-  // hh·D, m at g·D + hh, l at g·D + g + hh.
-  const size_t pf = PartialFloats(g, D);
-  const float* const hrow = a.partials + size_t(hfirst) * pf;
-  const float* const erow = a.partials + size_t(efirst) * pf;
+  // Entries [0, nh) are history partials, [nh, n) exact ones. Warp w takes
+  // entries w + kWarps·i, 32 per round: lane i reads entry i's (m, l), so the
+  // round's max per set, the weights 2^(m - max) and the weighted sum of l
+  // are one load and a few shuffles per warp; then the entries' acc rows are
+  // loaded kBatch at a time, each weight shuffled from its lane. Offsets are
+  // in floats from a.partials (< 2^31: the workspace holds the partials).
+  // (A B = 1 call waits on this kernel's instructions: the earlier loop of
+  // one 64-bit address computation per load took 2.3 us after the wait at
+  // B1 8K on the H200, tests/bench/RESULTS.md run 19.)
+  const float* const parts = a.partials;
+  const int pf = static_cast<int>(PartialFloats(g, D));
   const int m_off = g * D + hh, l_off = g * D + g + hh, a_off = hh * D + lane;
+  auto row = [&](int s) { return (s < nh ? hfirst + s : efirst + (s - nh)) * pf; };
   MergeState<D> st[2];
   st[0].Clear();
   st[1].Clear();
-  for (int s0 = warp; s0 < n; s0 += kBatch * kWarps) {
-    float pm[kBatch], pl[kBatch], pa[kBatch][EL];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int s = s0 + u * kWarps;
-      const float* p = s < nh ? hrow + size_t(s) * pf : erow + size_t(s - nh) * pf;
-      const bool valid = s < n;
-      pm[u] = valid ? p[m_off] : -INFINITY;
-      pl[u] = valid ? p[l_off] : 0.0f;
-#pragma unroll
-      for (int e = 0; e < EL; ++e) pa[u][e] = valid ? p[a_off + 32 * e] : 0.0f;
+  for (int r0 = warp; r0 < n; r0 += 32 * kWarps) {
+    const int mine = r0 + kWarps * lane;  // this lane's entry
+    const bool my_exact = mine >= nh;
+    float pm = -INFINITY, pl = 0.0f;
+    if (mine < n) {
+      const float* p = parts + row(mine);
+      pm = p[m_off];
+      pl = p[l_off];
     }
-    // The batch's max of each set, then one weight per partial.
-    float mx[2] = {-INFINITY, -INFINITY};
+    float mx[2] = {my_exact ? -INFINITY : pm, my_exact ? pm : -INFINITY};
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const bool exact = s0 + u * kWarps >= nh;
-      mx[0] = exact ? mx[0] : fmaxf(mx[0], pm[u]);
-      mx[1] = exact ? fmaxf(mx[1], pm[u]) : mx[1];
+    for (int off = 16; off >= 1; off >>= 1) {
+      mx[0] = fmaxf(mx[0], __shfl_xor_sync(kFull, mx[0], off));
+      mx[1] = fmaxf(mx[1], __shfl_xor_sync(kFull, mx[1], off));
     }
     st[0].MoveMax(mx[0]);
     st[1].MoveMax(mx[1]);
+    // An empty partial (m = -inf) weighs 0.
+    const float w = pm == -INFINITY ? 0.0f : exp2f(pm - (my_exact ? st[1].m : st[0].m));
+    float lw[2] = {my_exact ? 0.0f : w * pl, my_exact ? w * pl : 0.0f};
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const bool exact = s0 + u * kWarps >= nh;
-      const float w = pm[u] == -INFINITY ? 0.0f : exp2f(pm[u] - (exact ? st[1].m : st[0].m));
-      st[0].Add(exact ? 0.0f : w, pl[u], pa[u]);
-      st[1].Add(exact ? w : 0.0f, pl[u], pa[u]);
+    for (int off = 16; off >= 1; off >>= 1) {
+      lw[0] += __shfl_xor_sync(kFull, lw[0], off);
+      lw[1] += __shfl_xor_sync(kFull, lw[1], off);
+    }
+    st[0].l += lw[0];
+    st[1].l += lw[1];
+    const int count = min(32, (n - r0 + kWarps - 1) / kWarps);  // this warp's entries
+    for (int i0 = 0; i0 < count; i0 += kBatch) {
+      float pa[kBatch][EL], wt[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int i = i0 + u, s = r0 + kWarps * i;
+        wt[u] = __shfl_sync(kFull, w, i & 31);
+        const float* p = parts + row(s) + a_off;
+#pragma unroll
+        for (int e = 0; e < EL; ++e) pa[u][e] = i < count ? p[32 * e] : 0.0f;
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        // Each entry adds to its own set only (a weight of 0 would still
+        // carry a NaN of the other set's row).
+        if (i0 + u >= count) break;
+        if (r0 + kWarps * (i0 + u) >= nh) {
+          st[1].Add(wt[u], pa[u]);
+        } else {
+          st[0].Add(wt[u], pa[u]);
+        }
+      }
     }
   }
   Trace(trace, block, kTraceWritten);

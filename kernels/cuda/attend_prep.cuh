@@ -68,12 +68,35 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
   const int g = a.g;
   if (int_format) {
     uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * kIntFragWords;
-    for (int idx = threadIdx.x; idx < kIntFragWords; idx += blockDim.x) {
-      const IntFragSlot slot = IntFragSlotOf(idx, a.int_qk == 2);
-      if (slot.col == hh) {
-        frag[idx] = IntFragWord(idx, slot.digit, qs, inv);
-      } else if (hh == 0 && slot.col >= g) {
-        frag[idx] = 0;
+    // Lane q of warp 0 makes the 4 digits of the 4 dims of one (c, rg, kk)
+    // (IntFragWord's arithmetic, every digit of one chain at once) and
+    // writes the head's 4 words that hold them: a B = 1 call waits on this
+    // kernel's longest warp (H200, 2026-11-30, tests/bench/RESULTS.md run 19).
+    if (threadIdx.x < 32) {
+      const int q = threadIdx.x, c = q & 3, rg = (q >> 2) & 1, kk = q >> 3;
+      const float sc = inv * (kk == 0 ? 64.0f : kk == 1 ? 16.0f : kk == 2 ? 4.0f : 1.0f);
+      uint32_t words[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        float rest = qs[8 * c + 4 * rg + b + 32 * kk] * sc;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float dj = rintf(rest);
+          words[j] |= (uint32_t(static_cast<int>(dj)) & 0xffu) << (8 * b);
+          rest = (rest - dj) * 128.0f;
+        }
+      }
+      const bool paired = a.int_qk == 2;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // Digit j sits in n-tile j / 2, column (IntFragSlotOf's inverse).
+        const int n = paired ? 2 * hh + (j & 1) : hh + 4 * (j & 1);
+        frag[((j >> 1) << 8) | (kk << 6) | (rg << 5) | (n << 2) | c] = words[j];
+      }
+    }
+    if (hh == 0 && g < 4) {  // the columns of heads g..3 stay zero
+      for (int idx = threadIdx.x; idx < kIntFragWords; idx += blockDim.x) {
+        if (IntFragSlotOf(idx, a.int_qk == 2).col >= g) frag[idx] = 0;
       }
     }
     return;
