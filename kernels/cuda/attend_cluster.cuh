@@ -125,7 +125,6 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
   LaunchArgs la = a;
   la.qfrag = qfrag;
   la.qmeta = qmeta;
-  la.qexact = qexact;
   auto clear_warp_state = [&] {
     if (lane < HG) {
       sm_m[warp][lane] = -INFINITY;
@@ -292,7 +291,7 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
     seek(0);
     if (e < nb) {
       Ex::LoadRows(a, h, blk, t, t1, lane, rows);
-      ex.Init(la, 0, 0, lane);
+      ex.Init(qexact, 1.0f, g, lane);  // scaled already
       while (e < nb) {
         ex.Step(g, rows, t, t1);
         t += Ex::kTokensPerStep;

@@ -40,7 +40,6 @@ struct LaunchArgs {
   float scale_log2;      // scale * log2(e)
   uint32_t* qfrag;       // [item][h][NT][KS][2][32]; integer formats [item][h][2][4][2][32]
   float* qmeta;          // [item][Hq][kQueryMetaFloats]
-  float* qexact;         // [item][Hq][D], scaled by scale_log2
   float* partials;       // [partial][PartialFloats(g, D)] (cluster kernel: per (head, cluster,
                          // set) the normalized o [g][D], then the base-2 LSE [g])
   int int_qk;            // query fragments: 0 fp16, 1 integer digits (kIntQK), 2 integer paired (IntPv)

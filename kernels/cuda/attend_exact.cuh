@@ -42,9 +42,10 @@ struct ExactWarp {
     }
   }
 
-  // The scaled query (from the prep kernel) and zero state.
-  __device__ void Init(const LaunchArgs& a, int item, int h, int lane) {
-    const int g = a.g;
+  // The query rows of the kv head's g heads (qg[hh·D + d]) times `scale`
+  // (scale·log2e for the raw queries: no prep-kernel output is needed, so an
+  // exact unit does not wait for that kernel), and zero state.
+  __device__ void Init(const float* qg, float scale, int g, int lane) {
     const int D0 = lane * EL;
 #pragma unroll
     for (int hh = 0; hh < HG; ++hh) {
@@ -53,7 +54,7 @@ struct ExactWarp {
 #pragma unroll
       for (int e = 0; e < EL; ++e) {
         acc[hh][e] = 0.0f;
-        q[hh][e] = hh < g ? a.qexact[(size_t(item) * a.hq + h * g + hh) * D + D0 + e] : 0.0f;
+        q[hh][e] = hh < g ? qg[hh * D + D0 + e] * scale : 0.0f;
       }
     }
   }

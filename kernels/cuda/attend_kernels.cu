@@ -212,9 +212,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     }
     // Exact blocks [exact_begin, exact_end); each block's tokens split over
     // the 4 warps, in steps of Ex::kTokensPerStep tokens. The block references
-    // are held one per lane (blocks [base, base + 32)); the first step's rows
-    // are loaded before waiting for the prep kernel (a unit with a history
-    // part has waited already, and prefetched these rows into L2).
+    // are held one per lane (blocks [base, base + 32)). The exact part reads
+    // the raw queries, not the prep kernel's output: an exact-only unit does
+    // not wait for that kernel (a unit with a history part has waited, and
+    // prefetched these rows into L2). (H200, 2026-11-30: at B1 8K the exact
+    // units had ended last, 1.4 us after the history units, waiting on the
+    // prep kernel; tests/bench/RESULTS.md run 19.)
     using Ex = ExactWarp<D, HG>;
     Ex ex;
     const int nb = wu.exact_end - wu.exact_begin;
@@ -246,11 +249,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     typename Ex::Rows rows;
     seek(0);
     if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
-    WaitForPrerequisites();  // the prep kernel's scaled queries
     LaunchDependents();
     Trace(trace, blockIdx.x, kTraceExactWaited);
     if (e < nb) {
-      ex.Init(a, wu.item, wu.kv_head, lane);
+      ex.Init(a.queries + (size_t(wu.item) * a.hq + size_t(wu.kv_head) * a.g) * D, a.scale_log2,
+              a.g, lane);
       while (e < nb) {
         ex.Step(a.g, rows, t, t1);
         t += Ex::kTokensPerStep;

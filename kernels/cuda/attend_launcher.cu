@@ -216,8 +216,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
 
   // Layout: [items][page table][exact blocks][work][queries] (uploaded from
-  // the staging buffer), then [qfrag][qmeta][qexact][partials][cluster
-  // counts] (device only).
+  // the staging buffer), then [qfrag][qmeta][partials][cluster counts]
+  // [trace] (device only).
   // The outputs, [item][Hq * D + Hq] floats (out, then lse), go to the mapped
   // pinned results buffer, written by the merge kernel over the bus (a few
   // KB per item: cheaper than a download copy's round trip).
@@ -236,9 +236,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t results_bytes = size_t(n) * result_floats * 4;
   const size_t off_qfrag = upload;
   const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
-  const size_t off_qexact =
+  const size_t off_part =
       AlignUp(off_qmeta + size_t(n) * b.num_q_heads * cuda_attend::kQueryMetaFloats * 4);
-  const size_t off_part = AlignUp(off_qexact + size_t(n) * b.num_q_heads * D * 4);
   const size_t off_counts =
       AlignUp(off_part + size_t(sizes.partials) * cuda_attend::PartialFloats(g, D) * 4);
   const size_t counts_bytes =
@@ -372,7 +371,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.ablate = ablate_;
   a.qfrag = reinterpret_cast<uint32_t*>(dev + off_qfrag);
   a.qmeta = reinterpret_cast<float*>(dev + off_qmeta);
-  a.qexact = reinterpret_cast<float*>(dev + off_qexact);
   a.partials = reinterpret_cast<float*>(dev + off_part);
   a.clusters_per_head = clusters_per_head;
   a.cluster_counts = reinterpret_cast<unsigned*>(dev + off_counts);

@@ -92,7 +92,7 @@ enum TraceMarkIndex : int {
   // prep: q' and its statistics in shared memory
   kTraceLoopDone = 3,
   kTraceWritten = 4,      // split: the history partial written; merge: warp 0's partials added
-  kTraceExactWaited = 5,  // split, exact part: the PDL wait returned
+  kTraceExactWaited = 5,  // split, exact part: its first rows requested (no wait for the prep kernel)
   kTraceExactDone = 6,    // split: warp 0's exact blocks done
   kTraceEnd = 7,          // every kernel: thread 0's last instruction
 };

@@ -161,8 +161,9 @@ __device__ inline void WriteQueryMeta(const LaunchArgs& a, int head_idx, float m
 // the rows of slice t / CG (8 slices; 16 for D = 256), read as float4 (the
 // scalar path when R_K is not 16-byte aligned) and all issued before the
 // first product; the slices are summed in shared memory. Then it writes the
-// head's unrotated scaled query (qexact), its meta (digit-scale multiplier,
-// per-group Σq') and its columns of the query fragments. (D = 256: 1024
+// head's meta (digit-scale multiplier, per-group Σq') and its columns of the
+// query fragments. (The exact units scale the raw queries themselves, see
+// ExactWarp::Init.) (D = 256: 1024
 // threads leave 64 registers each, and ptxas spills part of the 16 float4
 // rows, 160 bytes; measured correct on the H200, not timed. Loading the rows
 // in two batches at 512 threads would avoid it.)
@@ -217,11 +218,7 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
     }
   }
   const float* q = a.queries + size_t(head_idx) * D;
-  for (int d = tid; d < D; d += kThreadsH) {
-    const float x = q[d];
-    qin[d] = x;
-    a.qexact[size_t(head_idx) * D + d] = x * a.scale_log2;
-  }
+  for (int d = tid; d < D; d += kThreadsH) qin[d] = q[d];
   __syncthreads();
   {
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
