@@ -213,11 +213,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     // Exact blocks [exact_begin, exact_end); each block's tokens split over
     // the 4 warps, in steps of Ex::kTokensPerStep tokens. The block references
     // are held one per lane (blocks [base, base + 32)). The exact part reads
-    // the raw queries, not the prep kernel's output: an exact-only unit does
-    // not wait for that kernel (a unit with a history part has waited, and
-    // prefetched these rows into L2). (H200, 2026-11-30: at B1 8K the exact
-    // units had ended last, 1.4 us after the history units, waiting on the
-    // prep kernel; tests/bench/RESULTS.md run 19.)
+    // the raw queries, not the prep kernel's output, so an exact-only unit
+    // waits for that kernel only before writing its partial (a unit with a
+    // history part has waited already, and prefetched these rows into L2).
+    // (H200, 2026-11-30, tests/bench/RESULTS.md run 19: no measurable gain
+    // at B1 8K, where these units wait on their own loads of the rows.)
     using Ex = ExactWarp<D, HG>;
     Ex ex;
     const int nb = wu.exact_end - wu.exact_begin;
@@ -249,8 +249,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     typename Ex::Rows rows;
     seek(0);
     if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
-    LaunchDependents();
-    Trace(trace, blockIdx.x, kTraceExactWaited);
+    if (!has_history) LaunchDependents();
+    Trace(trace, blockIdx.x, kTraceExactRows);
     if (e < nb) {
       ex.Init(a.queries + (size_t(wu.item) * a.hq + size_t(wu.kv_head) * a.g) * D, a.scale_log2,
               a.g, lane);
@@ -263,6 +263,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
     }
     Trace(trace, blockIdx.x, kTraceExactDone);
+    // Every split block waits for the prep kernel before it ends, so that
+    // the split grid's completion (which the merge kernel waits for) implies
+    // the prep kernel's, whose buffers the next call reuses. (Long done by
+    // now: no cost.)
+    if (!has_history) WaitForPrerequisites();
     WritePartial<D, HG>(a, wu.exact_partial, sm_o, sm_m, sm_l);
   }
   Trace(trace, blockIdx.x, kTraceEnd);
@@ -343,8 +348,9 @@ SplitLaunch SplitLaunchFor(int variant) {
   if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variant 10 runs on
     if (variant != 10) return l;
     using Ring = StageRing<D, NG, kRingStages>;
-    // With the kernel's static shared memory (sm_o, sm_m, sm_l).
-    constexpr int kStaticBytes = kWarps * Cfg<D, NG, G8>::HG * (D + 2) * 4;
+    // With the kernel's static shared memory (sm_o, sm_m, sm_l and
+    // CombineWarpStates' weights).
+    constexpr int kStaticBytes = kWarps * Cfg<D, NG, G8>::HG * (D + 3) * 4;
     static_assert(Ring::kBlockBytes + kStaticBytes <= 48 * 1024,
                   "above 48 KB needs the dynamic smem attribute");
     l.dynamic_smem = Ring::kBlockBytes;
@@ -522,13 +528,15 @@ __global__ void TimerStepKernel(int n, unsigned long long* out) {
 
 absl::StatusOr<double> AttendTraceTimerStepNs() {
   unsigned long long* dev = nullptr;
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMalloc(&dev, sizeof(unsigned long long)));
+  OSCARKV_CUDA_ALLOC_OR_RETURN(dev, cudaMalloc(&dev, sizeof(unsigned long long)),
+                               "cudaMalloc (trace timer step)");
   TimerStepKernel<<<1, 1>>>(1 << 16, dev);
   unsigned long long step = 0;
   cudaError_t err = cudaGetLastError();
   if (err == cudaSuccess) err = cudaMemcpy(&step, dev, sizeof(step), cudaMemcpyDeviceToHost);
   cudaFree(dev);
   OSCARKV_CUDA_RETURN_IF_ERROR(err);
+  if (step == ~0ull) return absl::InternalError("%globaltimer did not advance in 65536 reads");
   return static_cast<double>(step);
 }
 

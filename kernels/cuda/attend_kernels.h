@@ -166,10 +166,11 @@ class AttendLauncher {
   // For benchmarks only: every block of the prep, split and merge kernels
   // records when it passes each cuda_attend::TraceMarkIndex (a few stores
   // per block from thread 0; variant 11's cluster kernel records nothing).
-  // ReadTrace returns the last launch's rows (it waits for `stream`) and
-  // clears them for the next one. Takes effect at the next Prepare().
+  // TakeTrace waits for `stream`, which must be the stream of the launches,
+  // returns the rows the launches since the last take wrote (the latest
+  // mark of each) and clears them. Takes effect at the next Prepare().
   void set_trace(bool on) { trace_ = on; }
-  absl::StatusOr<AttendTrace> ReadTrace(cudaStream_t stream) const;
+  absl::StatusOr<AttendTrace> TakeTrace(cudaStream_t stream);
 
   // Entries (page pointers) of the device array that holds the copies of
   // named page tables (AttendItem::page_table_id; see page_table_cache.h):
@@ -202,8 +203,9 @@ class AttendLauncher {
   bool trace_ = false;
   int stages_ = 3;
   // Pinned staging of the upload; the workspace (device): the uploaded region,
-  // then device-only scratch (query fragments, partials); the outputs, in
-  // mapped pinned memory that the merge kernel writes. All only grow.
+  // then device-only scratch (query fragments, partials, cluster counts,
+  // trace rows); the outputs, in mapped pinned memory that the merge kernel
+  // writes. All only grow.
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
   void* results_ = nullptr;

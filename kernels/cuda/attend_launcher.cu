@@ -32,8 +32,9 @@ struct AttendLauncher::Prepared {
   LaunchShape shape{};
   bool valid = false;  // Prepare succeeded; cleared when the next one starts
   // set_trace: blocks of each kernel (their rows follow each other in the
-  // workspace from args.trace[0]); all 0 when off.
-  size_t trace_blocks[cuda_attend::kTraceKernels] = {0, 0, 0};
+  // workspace; args.trace[k] is null for a kernel without rows); all 0 when
+  // off.
+  size_t trace_blocks[cuda_attend::kTraceKernels] = {};
 };
 
 namespace {
@@ -243,7 +244,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t counts_bytes =
       shape.cluster_blocks > 0 && clusters_per_head > 1 ? sizeof(unsigned) * n * H : 0;
   // set_trace: one row per block of each kernel (none for the cluster kernel).
-  size_t trace_blocks[cuda_attend::kTraceKernels] = {0, 0, 0};
+  size_t trace_blocks[cuda_attend::kTraceKernels] = {};
   if (trace_ && shape.cluster_blocks == 0) {
     trace_blocks[cuda_attend::kTracePrep] = size_t(n) * b.num_q_heads;
     trace_blocks[cuda_attend::kTraceSplit] = size_t(num_work);
@@ -376,9 +377,11 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.cluster_counts = reinterpret_cast<unsigned*>(dev + off_counts);
   a.queries = dev_queries;
   // One rotation for every item (the usual one-layer batch): the prep
-  // kernel skips reading the item plans.
+  // kernel skips reading the item plans. Only when some item has history,
+  // the only case in which the batch's rotation must be valid.
   a.rotation = RotationRef{};
-  if (n > 0 && b.items[0].rotation.r_k != nullptr && b.items[0].rotation.r_v != nullptr) {
+  if (n > 0 && total_pages > 0 && b.items[0].rotation.r_k != nullptr &&
+      b.items[0].rotation.r_v != nullptr) {
     bool same = true;
     for (int i = 1; i < n && same; ++i) {
       const RotationRef& r = b.items[i].rotation;
@@ -390,7 +393,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   auto* trace_rows = reinterpret_cast<unsigned long long*>(dev + off_trace);
   for (int k = 0; k < cuda_attend::kTraceKernels; ++k) {
     prepared_->trace_blocks[k] = trace_blocks[k];
-    a.trace[k] = trace_words > 0 ? trace_rows : nullptr;
+    a.trace[k] = trace_blocks[k] > 0 ? trace_rows : nullptr;
     trace_rows += trace_blocks[k] * cuda_attend::kTraceMarks;
   }
   prepared_->shape = shape;
@@ -481,21 +484,28 @@ absl::Status AttendLauncher::Launch(cudaStream_t stream) const {
   return cuda_attend::LaunchAttention(prepared_->args, prepared_->shape, stream);
 }
 
-absl::StatusOr<AttendTrace> AttendLauncher::ReadTrace(cudaStream_t stream) const {
+absl::StatusOr<AttendTrace> AttendLauncher::TakeTrace(cudaStream_t stream) {
   if (!prepared_->valid) {
     return absl::FailedPreconditionError("attention trace without a successful Prepare");
   }
   AttendTrace t;
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaStreamSynchronize(stream));
+  // The kernels' rows follow each other from the first non-null one.
+  unsigned long long* first = nullptr;
+  size_t total = 0;
   for (int k = 0; k < cuda_attend::kTraceKernels; ++k) {
     const size_t words = prepared_->trace_blocks[k] * cuda_attend::kTraceMarks;
     if (words == 0) continue;
+    if (first == nullptr) first = prepared_->args.trace[k];
+    total += words;
     t.rows[k].resize(words);
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpy(t.rows[k].data(), prepared_->args.trace[k],
                                             words * sizeof(unsigned long long),
                                             cudaMemcpyDeviceToHost));
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(prepared_->args.trace[k], 0,
-                                                 words * sizeof(unsigned long long), stream));
+  }
+  if (total > 0) {
+    OSCARKV_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(first, 0, total * sizeof(unsigned long long), stream));
   }
   return t;
 }

@@ -185,14 +185,20 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   // round's max per set, the weights 2^(m - max) and the weighted sum of l
   // are one load and a few shuffles per warp; then the entries' acc rows are
   // loaded kBatch at a time, each weight shuffled from its lane. Offsets are
-  // in floats from a.partials (< 2^31: the workspace holds the partials).
+  // in floats from a.partials (< 2^31: Prepare refuses larger batches). An
+  // empty partial (m = -inf) weighs 0 against its acc row, which the split
+  // kernel writes as zeros (CombineWarpStates), so 0·row adds nothing.
   // (A B = 1 call waits on this kernel's instructions: the earlier loop of
   // one 64-bit address computation per load took 2.3 us after the wait at
   // B1 8K on the H200, tests/bench/RESULTS.md run 19.)
   const float* const parts = a.partials;
   const int pf = static_cast<int>(PartialFloats(g, D));
   const int m_off = g * D + hh, l_off = g * D + g + hh, a_off = hh * D + lane;
-  auto row = [&](int s) { return (s < nh ? hfirst + s : efirst + (s - nh)) * pf; };
+  // Entry s's row (entries past the end, never read, give the last row's).
+  auto row = [&](int s) {
+    s = min(s, n - 1);
+    return (s < nh ? hfirst + s : efirst + (s - nh)) * pf;
+  };
   MergeState<D> st[2];
   st[0].Clear();
   st[1].Clear();

@@ -51,8 +51,8 @@ struct WorkUnit {
   int exact_end = 0;
   int exact_partial = -1;
   // The item's exact + exact_begin on the device (set by the launcher for a
-  // unit with an exact part): its blocks are found without reading the item
-  // plan first, one dependent load less before their rows.
+  // unit with exact blocks, else null): its blocks are found without reading
+  // the item plan first, one dependent load less before their rows.
   const ExactBlockRef* exact = nullptr;
 };
 
@@ -80,21 +80,29 @@ inline constexpr int kQueryMetaFloats = 8;
 // prep, split and merge kernels of one call. Each block writes one row of
 // kTraceMarks 64-bit words: %globaltimer (ns) at the marks it passes (0 at
 // the others) and, in word kTraceSm, the multiprocessor it ran on. Thread 0
-// writes them, so "done" marks of a warp are warp 0's.
+// writes them, so "done" marks of a warp are warp 0's; a mark is when thread
+// 0 reads the timer (the compiler may move neighbouring memory operations
+// across it). An index means different points in different kernels (the
+// benchmark's names for them: tests/gpu/attend_trace_summary.h).
 inline constexpr int kTraceMarks = 8;
 enum TraceKernel : int { kTracePrep = 0, kTraceSplit = 1, kTraceMerge = 2, kTraceKernels = 3 };
 enum TraceMarkIndex : int {
   kTraceStart = 0,  // every kernel: the block's first instruction
   kTraceSm = 1,     // every kernel: %smid (not a time)
-  // split, history part / merge: the PDL wait returned; prep: q·R_K summed
+  // split, history part / merge: the PDL wait returned; prep: the products
+  // of q and its rows of R_K done (before the slices are summed)
   kTraceWaited = 2,
   // split: warp 0's history loop ended; merge: the block's warps combined;
   // prep: q' and its statistics in shared memory
   kTraceLoopDone = 3,
-  kTraceWritten = 4,      // split: the history partial written; merge: warp 0's partials added
-  kTraceExactWaited = 5,  // split, exact part: its first rows requested (no wait for the prep kernel)
-  kTraceExactDone = 6,    // split: warp 0's exact blocks done
-  kTraceEnd = 7,          // every kernel: thread 0's last instruction
+  // split: the history partial written; merge: warp 0's partials added
+  // (before kTraceLoopDone)
+  kTraceWritten = 4,
+  // split, exact part: its first rows in registers (converted to fp32 as
+  // they load; the exact part does not wait for the prep kernel)
+  kTraceExactRows = 5,
+  kTraceExactDone = 6,  // split: warp 0's exact blocks done
+  kTraceEnd = 7,        // every kernel: thread 0's last instruction
 };
 
 }  // namespace cuda_attend

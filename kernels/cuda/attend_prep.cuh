@@ -163,10 +163,9 @@ __device__ inline void WriteQueryMeta(const LaunchArgs& a, int head_idx, float m
 // first product; the slices are summed in shared memory. Then it writes the
 // head's meta (digit-scale multiplier, per-group Σq') and its columns of the
 // query fragments. (The exact units scale the raw queries themselves, see
-// ExactWarp::Init.) (D = 256: 1024
-// threads leave 64 registers each, and ptxas spills part of the 16 float4
-// rows, 160 bytes; measured correct on the H200, not timed. Loading the rows
-// in two batches at 512 threads would avoid it.)
+// ExactWarp::Init.) D = 256: 1024 threads leave 64 registers each, and ptxas
+// spills part of the 16 float4 rows, 116 bytes; measured correct on the H200,
+// not timed. Loading the rows in two batches at 512 threads would avoid it.
 constexpr int PrepThreads(int d) { return d <= 128 ? 2 * d : 4 * d; }
 
 template <int D, bool G8>

@@ -31,11 +31,11 @@ struct UnitSizes {
 };
 
 // History is "light" when the history units would hold at most this many
-// pages each in one full wave. (H200, 2026-11-30, B1 32K, 24 pages per unit:
-// with 16, 40 exact units of 2 blocks each ended 1.4 us after the history
-// units, on the critical path; with 32, 80 units of one block end 6.5 us
-// before them, and the call takes 24.0 against 25.1 us; tests/bench/
-// RESULTS.md run 19.)
+// pages each in one full wave. (H200, 2026-11-30, B1 32K: with 16, 40 exact
+// units of 2 blocks each ended 1.3 us after the history units (24 pages
+// each), on the critical path; with 32, 80 units of one block are done
+// 6.5 us before the history units (26 pages each), and the call takes 24.0
+// against 25.1 us in the same run; tests/bench/RESULTS.md run 19.)
 inline constexpr long kLightPagesPerUnit = 32;
 
 // Whether the exact blocks of items with history ride on their history units.

@@ -127,14 +127,17 @@ TEST(AttendSchedule, ExactUnitsGetMoreOfTheWaveWhenTheHistoryIsLight) {
   // (two would put the exact units on the critical path).
   const AttendItem mid = Item(1014, 10);
   const UnitSizes m = SizeAttendUnits(&mid, 1, 8, 396);
+  EXPECT_FALSE(m.fold_exact);
   EXPECT_EQ(m.exact_per_unit, 1);
   EXPECT_EQ(m.exact_units, 80);
   CheckPlan({{mid}, 8, 396});
   // B=1, 64K: 2038 pages, ~47 per unit: the history units need the slots.
   const AttendItem longer = Item(2038, 10);
-  const UnitSizes n = SizeAttendUnits(&longer, 1, 8, 396);
-  EXPECT_EQ(n.exact_per_unit, 2);
-  EXPECT_EQ(n.exact_units, 40);
+  const UnitSizes lg = SizeAttendUnits(&longer, 1, 8, 396);
+  EXPECT_FALSE(lg.fold_exact);
+  EXPECT_EQ(lg.exact_per_unit, 2);
+  EXPECT_EQ(lg.exact_units, 40);
+  CheckPlan({{longer}, 8, 396});
 }
 
 TEST(AttendSchedule, LongHistoryUnitsTakeTheWholeWaveAndCarryTheExactBlocks) {

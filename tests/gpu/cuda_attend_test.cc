@@ -643,7 +643,9 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
 // device at that time: after the pages' contents change, each replay equals
 // a new Prepare + Launch, bit for bit. The batch mixes an item with history
 // and exact blocks, one with one page (a single unit per kv head), one with
-// exact blocks only and an empty one; the first results match the CPU.
+// exact blocks only and an empty one; the first results match the CPU. A
+// traced launch of the same batch gives the same results and a well-formed
+// timeline.
 TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   for (const int g : {1, 2, 4, 8}) {
@@ -751,6 +753,45 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
       }
     }
     for (int h = 0; h < Hq; ++h) EXPECT_EQ(lse[size_t(3) * Hq + h], -INFINITY) << "empty item";
+    {
+      // A traced launch (AttendLauncher::set_trace, for benchmarks): the same
+      // results bit for bit, one row per block of each kernel, every mark a
+      // block passed between its start and end, and the rows cleared once read.
+      L.set_trace(true);
+      const std::vector<float> traced = run(prepare_and_launch);
+      EXPECT_EQ(0, std::memcmp(traced.data(), first.data(), first.size() * 4));
+      auto trace = L.TakeTrace(stream);
+      ASSERT_TRUE(trace.ok()) << trace.status();
+      using namespace cuda_attend;
+      const AttendSchedule& sc = L.schedule();
+      const bool cluster = sc.clusters_per_head > 0;  // variant 11 records nothing
+      const size_t blocks[kTraceKernels] = {
+          cluster ? 0 : size_t(n) * Hq, cluster ? 0 : size_t(sc.exact_units + sc.history_units),
+          cluster ? 0 : size_t(n) * Hq * (D / 32)};
+      for (int k = 0; k < kTraceKernels; ++k) {
+        ASSERT_EQ(trace->blocks(k), blocks[k]) << "kernel " << k;
+        for (size_t b = 0; b < trace->blocks(k); ++b) {
+          const unsigned long long* row = trace->rows[k].data() + b * kTraceMarks;
+          ASSERT_NE(row[kTraceStart], 0u) << "kernel " << k << " block " << b;
+          for (int m = kTraceWaited; m <= kTraceEnd; ++m) {
+            if (m != kTraceEnd && row[m] == 0) continue;  // a mark this block does not pass
+            EXPECT_GE(row[m], row[kTraceStart]) << "kernel " << k << " block " << b << " mark " << m;
+            EXPECT_LE(row[m], row[kTraceEnd]) << "kernel " << k << " block " << b << " mark " << m;
+          }
+          if (k == kTraceSplit && row[kTraceWaited] != 0) {  // a history part, in order
+            EXPECT_LE(row[kTraceWaited], row[kTraceLoopDone]) << "block " << b;
+            EXPECT_LE(row[kTraceLoopDone], row[kTraceWritten]) << "block " << b;
+          }
+        }
+      }
+      auto again = L.TakeTrace(stream);
+      ASSERT_TRUE(again.ok()) << again.status();
+      for (int k = 0; k < kTraceKernels; ++k) {
+        for (unsigned long long x : again->rows[k]) ASSERT_EQ(x, 0u) << "kernel " << k;
+      }
+      L.set_trace(false);
+      run(prepare_and_launch);
+    }
     // Replays (directly, then as a CUDA graph) after the pages' contents
     // change on the device: each must equal a new Prepare + Launch on the
     // new contents, and differ from the first results.

@@ -20,11 +20,12 @@
 //                                       see AttendLauncher::set_ablate)
 //                     [--fold 0|1|2]  (where the exact blocks run: auto, on the history units,
 //                                      in units of their own: see AttendLauncher::set_fold_exact)
-//                     [--trace N]  (after each row, N more calls, each queued behind a hold,
-//                                   with per-block timestamps (AttendLauncher::set_trace),
-//                                   summarized: when the first / median / last block of each
-//                                   kernel passes each mark); with --trace-twice each traced
-//                                   call is the second of two in a row on the same inputs
+//                     [--trace N [--trace-twice]]  (after each row, N more calls (after a
+//                                   warm-up round), each queued behind a hold, with per-block
+//                                   timestamps (AttendLauncher::set_trace), summarized: when
+//                                   the first / median / last block of each kernel passes each
+//                                   mark; with --trace-twice each traced call is the second of
+//                                   two in a row on the same inputs)
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -105,14 +106,12 @@ double TimeEvents(cudaStream_t s, int warmup, int iters, Fn&& fn) {
 // the events time the GPU's work and gaps alone, not the CPU's launch calls
 // (TimeEvents times calls issued one by one, which at small shapes includes
 // the launch latency when the GPU waits for the CPU).
-template <typename Fn>
-double TimeEventsQueued(cudaStream_t s, int warmup, int iters, Fn&& fn) {
-  for (int i = 0; i < warmup; ++i) fn(i);
-  constexpr int kBatch = 25;  // calls queued behind one hold (well inside the launch queue)
-  std::vector<cudaEvent_t> ev(2 * iters);
-  for (auto& e : ev) CK(cudaEventCreate(&e));
-  for (int b0 = 0; b0 < iters; b0 += kBatch) {
-    std::atomic<int> go{0};
+// Holds a stream with a host function that spins until Release(), so that
+// the work enqueued meanwhile reaches the GPU at once. Must be released
+// before the stream is waited for.
+class StreamHold {
+ public:
+  explicit StreamHold(cudaStream_t s) {
     CK(cudaLaunchHostFunc(
         s,
         [](void* p) {
@@ -120,13 +119,28 @@ double TimeEventsQueued(cudaStream_t s, int warmup, int iters, Fn&& fn) {
           while (flag->load(std::memory_order_acquire) == 0) {
           }
         },
-        &go));
+        &go_));
+  }
+  void Release() { go_.store(1, std::memory_order_release); }
+
+ private:
+  std::atomic<int> go_{0};
+};
+
+template <typename Fn>
+double TimeEventsQueued(cudaStream_t s, int warmup, int iters, Fn&& fn) {
+  for (int i = 0; i < warmup; ++i) fn(i);
+  constexpr int kBatch = 25;  // calls queued behind one hold (well inside the launch queue)
+  std::vector<cudaEvent_t> ev(2 * iters);
+  for (auto& e : ev) CK(cudaEventCreate(&e));
+  for (int b0 = 0; b0 < iters; b0 += kBatch) {
+    StreamHold hold(s);
     for (int i = b0; i < std::min(iters, b0 + kBatch); ++i) {
       CK(cudaEventRecord(ev[2 * i], s));
       fn(i);
       CK(cudaEventRecord(ev[2 * i + 1], s));
     }
-    go.store(1, std::memory_order_release);
+    hold.Release();
     CK(cudaStreamSynchronize(s));
   }
   return MedianElapsedUs(ev);
@@ -150,6 +164,41 @@ struct Shape {
   int batch, tokens;
 };
 
+// --trace: after one warm-up round, `calls` more calls of the launchers' sets
+// in turn (L2 stays cold for the pages) with per-block timestamps, each
+// queued behind a hold as the GPU-side timings are (the GPU sees the launches
+// at once, not as the host issues them); with `twice`, each traced call is
+// the second of two in a row on the same inputs. Prints the summary of the
+// timelines (gputest::PrintTraceSummary). The launchers stay traced.
+void PrintCallTraces(std::vector<std::unique_ptr<AttendLauncher>>& launchers,
+                     const std::vector<AttendBatch>& batches, cudaStream_t stream, int calls,
+                     bool twice) {
+  const int sets = static_cast<int>(launchers.size());
+  if (launchers[0]->schedule().clusters_per_head > 0) {
+    std::printf("%-13s   trace: none (variant 11's cluster kernel records no timeline)\n", "");
+    return;
+  }
+  for (int s = 0; s < sets; ++s) {
+    launchers[s]->set_trace(true);
+    CKS(launchers[s]->Prepare(batches[s], stream));
+  }
+  std::vector<AttendTrace> traces;
+  for (int i = 0; i < sets + calls; ++i) {
+    AttendLauncher& L = *launchers[i % sets];
+    StreamHold hold(stream);
+    CKS(L.Launch(stream));
+    if (twice) CKS(L.Launch(stream));
+    hold.Release();
+    auto t = L.TakeTrace(stream);
+    CKS(t.status());
+    if (i >= sets) traces.push_back(std::move(t).value());
+  }
+  std::printf("%-13s   trace, median of %d calls%s, us from the first prep block's start "
+              "(first / median / last block):\n", "", calls,
+              twice ? " (each the second of two calls in a row: code and data warm)" : "");
+  gputest::PrintTraceSummary(traces, "                  ");
+}
+
 int Main(int argc, char** argv) {
   std::string baseline_path, json_path, only;
   int iters = 200;
@@ -167,7 +216,7 @@ int Main(int argc, char** argv) {
     else if (a == "--ablate" && i + 1 < argc) ablate = std::atoi(argv[++i]);
     else if (a == "--fold" && i + 1 < argc) fold_exact = std::atoi(argv[++i]);
     else if (a == "--trace" && i + 1 < argc) trace_calls = std::atoi(argv[++i]);
-    else if (a == "--trace-twice") trace_twice = true;
+    else if (a == "--trace-twice") trace_twice = true;  // with --trace
     else if (a == "--variant" && i + 1 < argc) {
       // One variant or a comma-separated list.
       for (const char* p = argv[++i]; *p != '\0';) {
@@ -185,6 +234,10 @@ int Main(int argc, char** argv) {
                    argv[0]);
       return 2;
     }
+  }
+  if (trace_twice && trace_calls <= 0) {
+    std::fprintf(stderr, "--trace-twice needs --trace N (N > 0)\n");
+    return 2;
   }
   auto backend_or = CreateCudaBackend(0);
   if (!backend_or.ok()) {
@@ -614,37 +667,11 @@ int Main(int argc, char** argv) {
                   gpu_us - stage_us[1]);
     }
     if (trace_calls > 0) {
-      // Calls one by one, each set in turn (L2 stays cold for the pages).
-      std::vector<AttendTrace> traces;
+      std::vector<AttendBatch> batches;
       for (int s = 0; s < sets; ++s) {
-        launchers[s]->set_trace(true);
-        CKS(launchers[s]->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
+        batches.push_back(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch});
       }
-      for (int i = 0; i < sets + trace_calls; ++i) {
-        // Queued behind a hold, as the GPU-side timings: the GPU sees the
-        // three launches at once, not as the host issues them.
-        std::atomic<int> go{0};
-        CK(cudaLaunchHostFunc(
-            stream,
-            [](void* p) {
-              auto* flag = static_cast<std::atomic<int>*>(p);
-              while (flag->load(std::memory_order_acquire) == 0) {
-              }
-            },
-            &go));
-        CKS(launchers[i % sets]->Launch(stream));
-        if (trace_twice) CKS(launchers[i % sets]->Launch(stream));
-        go.store(1, std::memory_order_release);
-        auto t = launchers[i % sets]->ReadTrace(stream);
-        CKS(t.status());
-        if (i >= sets) traces.push_back(std::move(t).value());
-      }
-      for (int s = 0; s < sets; ++s) launchers[s]->set_trace(false);
-      std::printf("%-13s   trace, median of %d calls%s, us from the first prep block's start "
-                  "(first / median / last block):\n", "", trace_calls,
-                  trace_twice ? " (each the second of two calls in a row: code and data warm)"
-                              : "");
-      gputest::PrintTraceSummary(traces, "                  ");
+      PrintCallTraces(launchers, batches, stream, trace_calls, trace_twice);
     }
     const auto& sc = launchers[0]->schedule();
     rows.push_back({{"shape", key}, {"variant", variant}, {"us", us}, {"graph_us", graph_us}, {"call_us", call_us},

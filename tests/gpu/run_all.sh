@@ -23,7 +23,8 @@
 # racecheck and synccheck of its roles kernel); SKIP_SANITIZER=1 skips
 # compute-sanitizer; SKIP_BENCH=1 skips
 # the benchmark and the PyTorch baseline; BENCH_ITERS (default 200);
-# BENCH_VARIANTS (e.g. 3,6: the split-kernel variants to time; default all); NCU=1 adds
+# BENCH_VARIANTS (e.g. 3,6: the split-kernel variants to time; default all);
+# BENCH_TRACE=N (per-block timelines of N calls per row, the bench's --trace); NCU=1 adds
 # ncu profiles of the attention and encode kernels and the SASS of the bench.
 set -u
 out=${1:?usage: run_all.sh OUT_DIR [BUNDLE_DIR]}
@@ -54,7 +55,8 @@ bench() {
   run sdpa_baseline env PYTHONUNBUFFERED=1 python3 "$here/sdpa_baseline.py" --json "$out/sdpa.json" \
     --iters "${BENCH_ITERS:-200}"
   run gpu_bench "$bundle/bin/oscarkv_gpu_bench" --baseline "$out/sdpa.json" --json "$out/bench.json" \
-    --iters "${BENCH_ITERS:-200}" ${BENCH_VARIANTS:+--variant "$BENCH_VARIANTS"}
+    --iters "${BENCH_ITERS:-200}" ${BENCH_VARIANTS:+--variant "$BENCH_VARIANTS"} \
+    ${BENCH_TRACE:+--trace "$BENCH_TRACE"}
 }
 
 for t in cuda_codec_test cuda_attend_test; do
