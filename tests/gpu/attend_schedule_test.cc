@@ -117,27 +117,25 @@ TEST(AttendSchedule, CoversEveryPageAndBlockOnceForTheBenchmarkShapes) {
 }
 
 TEST(AttendSchedule, ExactUnitsGetMoreOfTheWaveWhenTheHistoryIsLight) {
-  // B=1, 8K tokens: 246 pages per kv head, ~5 per unit: one block per exact unit.
-  const AttendItem light = Item(246, 10);
-  const UnitSizes l = SizeAttendUnits(&light, 1, 8, 396);
-  EXPECT_FALSE(l.fold_exact);
-  EXPECT_EQ(l.exact_per_unit, 1);
-  EXPECT_EQ(l.exact_units, 80);
-  // B=1, 32K: 1014 pages, ~26 per unit, still light: one block per exact unit
-  // (two would put the exact units on the critical path).
-  const AttendItem mid = Item(1014, 10);
-  const UnitSizes m = SizeAttendUnits(&mid, 1, 8, 396);
-  EXPECT_FALSE(m.fold_exact);
-  EXPECT_EQ(m.exact_per_unit, 1);
-  EXPECT_EQ(m.exact_units, 80);
-  CheckPlan({{mid}, 8, 396});
-  // B=1, 64K: 2038 pages, ~47 per unit: the history units need the slots.
-  const AttendItem longer = Item(2038, 10);
-  const UnitSizes lg = SizeAttendUnits(&longer, 1, 8, 396);
-  EXPECT_FALSE(lg.fold_exact);
-  EXPECT_EQ(lg.exact_per_unit, 2);
-  EXPECT_EQ(lg.exact_units, 40);
-  CheckPlan({{longer}, 8, 396});
+  // B=1 with 10 exact blocks per kv head. Light history (at most
+  // kLightPagesPerUnit pages per unit): one block per exact unit, since two
+  // would put the exact units on the critical path; longer history: the
+  // history units need the slots.
+  struct Case {
+    int pages;  // per kv head
+    long exact_per_unit, exact_units;
+  };
+  for (const Case& c : {Case{246, 1, 80},     // 8K, ~5 pages per unit
+                        Case{1014, 1, 80},    // 32K, ~26
+                        Case{2038, 2, 40}}) {  // 64K, ~47
+    SCOPED_TRACE("pages " + std::to_string(c.pages));
+    const AttendItem item = Item(c.pages, 10);
+    const UnitSizes u = SizeAttendUnits(&item, 1, 8, 396);
+    EXPECT_FALSE(u.fold_exact);
+    EXPECT_EQ(u.exact_per_unit, c.exact_per_unit);
+    EXPECT_EQ(u.exact_units, c.exact_units);
+    CheckPlan({{item}, 8, 396});
+  }
 }
 
 TEST(AttendSchedule, LongHistoryUnitsTakeTheWholeWaveAndCarryTheExactBlocks) {
