@@ -44,7 +44,7 @@ struct ExactWarp {
 
   // The query rows of the kv head's g heads (qg[hh·D + d]) times `scale`
   // (scale·log2e for the raw queries: no prep-kernel output is needed, so an
-  // exact unit does not wait for that kernel), and zero state.
+  // exact unit need not wait for that kernel before its work), and zero state.
   __device__ void Init(const float* qg, float scale, int g, int lane) {
     const int D0 = lane * EL;
 #pragma unroll

@@ -80,7 +80,7 @@ struct MergeState {
 #pragma unroll
     for (int e = 0; e < EL; ++e) acc[e] = 0.0f;
   }
-  // Moves the running max to cover `mx` (a batch's max), rescaling l and acc.
+  // Moves the running max to cover `mx` (a round's max), rescaling l and acc.
   __device__ void MoveMax(float mx) {
     const float mn = fmaxf(m, mx);
     if (mn == -INFINITY) return;  // still empty
@@ -90,8 +90,8 @@ struct MergeState {
     for (int e = 0; e < EL; ++e) acc[e] *= f;
     m = mn;
   }
-  // Adds a partial's acc with weight w = 2^(its m - this m) (0: not this
-  // set's; its l is added by the caller).
+  // Adds a partial's acc with weight w = 2^(its m - this m) (its l is added
+  // by the caller).
   __device__ __forceinline__ void Add(float w, const float (&pa)[EL]) {
 #pragma unroll
     for (int e = 0; e < EL; ++e) acc[e] = fmaf(w, pa[e], acc[e]);
@@ -144,9 +144,8 @@ __device__ void CombineWarps(const MergeState<D> (&st)[2], float (*sm_a)[kWarps]
 // slice 0). The R_V rows of the slice and the item's plan are read before
 // waiting for the split kernel, so their latency is hidden. A B = 1 call
 // waits on this kernel's instructions, one warp per scheduler (H200,
-// 2026-11-30, run 19): each batch of partials is loaded from one pointer
-// step per partial, and combined by its max first, so that the weights are
-// independent exponentials instead of a chain of rescales.
+// 2026-11-30, run 19): the partials' statistics are read one per lane and
+// combined with shuffles (below), not one partial after another.
 template <int D, bool kWide>
 __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArgs a) {
   constexpr int EL = D / 32, kSlice = 32, kPerWarp = kSlice / kWarps;

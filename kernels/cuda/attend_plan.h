@@ -99,7 +99,8 @@ enum TraceMarkIndex : int {
   // (before kTraceLoopDone)
   kTraceWritten = 4,
   // split, exact part: its first rows in registers (converted to fp32 as
-  // they load; the exact part does not wait for the prep kernel)
+  // they load; an exact-only unit waits for the prep kernel only before
+  // writing its partial)
   kTraceExactRows = 5,
   kTraceExactDone = 6,  // split: warp 0's exact blocks done
   kTraceEnd = 7,        // every kernel: thread 0's last instruction
