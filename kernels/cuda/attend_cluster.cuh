@@ -125,13 +125,7 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
   LaunchArgs la = a;
   la.qfrag = qfrag;
   la.qmeta = qmeta;
-  auto clear_warp_state = [&] {
-    if (lane < HG) {
-      sm_m[warp][lane] = -INFINITY;
-      sm_l[warp][lane] = 0.0f;
-    }
-    __syncwarp();
-  };
+  auto clear_warp_state = [&] { ClearWarpState<HG>(sm_m[warp], sm_l[warp], lane); };
   clear_warp_state();
   if (has_history && has_exact) PrefetchExactRowsL2<D, kThreadsB>(a, wu);
 
@@ -140,23 +134,10 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
   const int n = has_history ? (wu.end - wu.begin) * cpp : 0;
   Warp hw;
   hw.InitOffsets(a.geom, h, lane);
-  int base = 0;
-  auto chunk_of = [&](int it) { return warp + W * it; };
-  auto in_page = [&](int it) { return cpp == 1 ? 0 : chunk_of(it) % cpp; };
-  auto fetch_ptr = [&](int it0) -> const uint8_t* {
-    const int ci = chunk_of(it0 + lane);
-    return ci < n ? item.pages[wu.begin + (cpp == 1 ? ci : ci / cpp)] : nullptr;
-  };
-  const uint8_t* my_ptr = fetch_ptr(0);
-  auto page_of = [&](int it) -> const uint8_t* {
-    if (it >= base + 32) {
-      base += 32;
-      my_ptr = fetch_ptr(base);
-    }
-    return reinterpret_cast<const uint8_t*>(
-        __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
-  };
-  const int iters = warp < n ? (n - warp + W - 1) / W : 0;
+  WarpPages<W> pages(item, wu.begin, n, cpp, warp, lane);
+  auto in_page = [&](int it) { return pages.InPage(it); };
+  auto page_of = [&](int it) { return pages.Page(it); };
+  const int iters = pages.Iterations();
   typename Warp::Regs ra, rb;
   if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
   if (iters > 1) hw.Load(rb, page_of(1), in_page(1));

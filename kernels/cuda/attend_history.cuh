@@ -8,6 +8,58 @@
 namespace oscarkv {
 namespace cuda_attend {
 
+// A warp's (m, l) of every head set to "no tokens" (a warp that gets none
+// leaves them so for the block's combine).
+template <int HG>
+__device__ __forceinline__ void ClearWarpState(float (&m)[HG], float (&l)[HG], int lane) {
+  if (lane < HG) {
+    m[lane] = -INFINITY;
+    l[lane] = 0.0f;
+  }
+  __syncwarp();
+}
+
+// Where a warp's chunks are: warp w of a block of W takes the unit's chunks
+// w, w + W, ... (iteration it: chunk w + W·it); Page(it) is that chunk's
+// page and InPage(it) its index within the page. The page pointers are held
+// one per lane for iterations [base, base + 32) and shuffled out, so Page is
+// warp-collective: every lane calls it with the same it, in increasing order.
+template <int W>
+struct WarpPages {
+  const ItemPlan& item;
+  int first_page;  // the unit's first history page
+  int n;           // the unit's chunks
+  int cpp;         // chunks per page
+  int warp, lane;
+  int base = 0;
+  const uint8_t* my_ptr;
+
+  __device__ WarpPages(const ItemPlan& item_, int first, int chunks, int chunks_per_page, int w,
+                       int l)
+      : item(item_), first_page(first), n(chunks), cpp(chunks_per_page), warp(w), lane(l) {
+    my_ptr = Fetch(0);
+  }
+  __device__ __forceinline__ int ChunkOf(int it) const { return warp + W * it; }
+  // Chunk index within its page (no division for the usual one chunk per page).
+  __device__ __forceinline__ int InPage(int it) const { return cpp == 1 ? 0 : ChunkOf(it) % cpp; }
+  __device__ __forceinline__ const uint8_t* Fetch(int it0) const {
+    const int ci = ChunkOf(it0 + lane);
+    return ci < n ? item.pages[first_page + (cpp == 1 ? ci : ci / cpp)] : nullptr;
+  }
+  __device__ __forceinline__ const uint8_t* Page(int it) {
+    if (it >= base + 32) {
+      base += 32;
+      my_ptr = Fetch(base);
+    }
+    return reinterpret_cast<const uint8_t*>(
+        __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
+  }
+  // Iterations of this warp.
+  __device__ __forceinline__ int Iterations() const {
+    return warp < n ? (n - warp + W - 1) / W : 0;
+  }
+};
+
 // The loads of one warp's 32-token chunks of kv head h's history pages, shared
 // by the history warps. Thread (r = lane/4, c = lane%4) loads the K codes and
 // the K and V (scale, min) of tokens r, r+8, 16+r, 24+r, and the V codes of

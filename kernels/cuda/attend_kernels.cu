@@ -58,13 +58,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   const WorkUnit wu = a.work[blockIdx.x];
   const ItemPlan& item = a.items[wu.item];
   // This warp's (m, l) of every head: "no tokens", for warps that get none.
-  auto clear_warp_state = [&] {
-    if (lane < HG) {
-      sm_m[warp][lane] = -INFINITY;
-      sm_l[warp][lane] = 0.0f;
-    }
-    __syncwarp();
-  };
+  auto clear_warp_state = [&] { ClearWarpState<HG>(sm_m[warp], sm_l[warp], lane); };
   clear_warp_state();
   const bool has_history = wu.partial >= 0, has_exact = wu.exact_partial >= 0;
   if (has_history && has_exact) PrefetchExactRowsL2<D>(a, wu);
@@ -73,25 +67,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     const int n = (wu.end - wu.begin) * cpp;
     Warp hw;
     hw.InitOffsets(a.geom, wu.kv_head, lane);
-    // Page pointers for iterations [base, base + 32), one per lane.
-    int base = 0;
-    auto chunk_of = [&](int it) { return warp + kWarps * it; };
-    // Chunk index within its page (no division for the usual one chunk per page).
-    auto in_page = [&](int it) { return cpp == 1 ? 0 : chunk_of(it) % cpp; };
-    auto fetch_ptr = [&](int it0) -> const uint8_t* {
-      const int ci = chunk_of(it0 + lane);
-      return ci < n ? item.pages[wu.begin + (cpp == 1 ? ci : ci / cpp)] : nullptr;
-    };
-    const uint8_t* my_ptr = fetch_ptr(0);
-    auto page_of = [&](int it) -> const uint8_t* {
-      if (it >= base + 32) {
-        base += 32;
-        my_ptr = fetch_ptr(base);
-      }
-      return reinterpret_cast<const uint8_t*>(
-          __shfl_sync(kFull, reinterpret_cast<unsigned long long>(my_ptr), it - base));
-    };
-    const int iters = warp < n ? (n - warp + kWarps - 1) / kWarps : 0;
+    WarpPages<kWarps> pages(item, wu.begin, n, cpp, warp, lane);
+    // The same code as calling pages' methods directly, which ptxas
+    // schedules differently (checked on the dev VM: these forwards keep the
+    // SASS of every split kernel byte-identical to the lambdas they replaced).
+    auto in_page = [&](int it) { return pages.InPage(it); };
+    auto page_of = [&](int it) { return pages.Page(it); };
+    const int iters = pages.Iterations();
     if constexpr (kStages > 0) {
       extern __shared__ __align__(128) uint8_t ring_smem[];
       StageRing<D, NG, kStages> ring;
