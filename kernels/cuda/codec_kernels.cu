@@ -173,11 +173,7 @@ __device__ void ClipThresholdsWarp(const float* const (&yrows)[R], const int (&t
       }
       if (max_top > 0) {
 #pragma unroll
-        for (int r = 0; r < R; ++r) {
-          const uint32_t gm = __reduce_max_sync(0xffffffffu, u[r][0]);
-          x[r] = gm;
-          drops[r] += u[r][0] == gm ? 1 : 0;
-        }
+        for (int r = 0; r < R; ++r) take_largest(r);
       }
     } else {
       for (int it = 0; it < max_top; ++it) {
@@ -243,6 +239,24 @@ __device__ __forceinline__ float OrderedToFloat(int b) {
   return __int_as_float(b >= 0 ? b : b ^ 0x7fffffff);
 }
 
+// A group's (scale, min) in fp16 from its clamped range [mn, mx], and the
+// quantizer's min and 1/scale from those fp16 values (0 for a zero scale).
+__device__ __forceinline__ void GroupParams(float mn, float mx, __half& s_h, __half& lo_h,
+                                            float& loq, float& inv) {
+  const float sc = fmaxf(__fsub_rn(mx, mn), kMinRange) / 3.0f;
+  s_h = __float2half_rn(sc);
+  lo_h = __float2half_rn(mn);
+  const float sq = __half2float(s_h);
+  loq = __half2float(lo_h);
+  inv = sq > 0.0f ? 1.0f / sq : 0.0f;
+}
+
+// A lane's elements per group, and the groups it holds part of.
+template <int G>
+constexpr int kLaneGroupElems = G > 32 ? G / 32 : 1;
+template <int D, int G>
+constexpr int kLaneGroups = (D / 32) / kLaneGroupElems<G>;
+
 // Quantize a lane's E clamped elements of one row with their groups' (min,
 // 1/scale) (loq / inv per group the lane holds part of) and pack the codes
 // (4 per byte). Code byte j holds elements j + k·D/4: for D >= 128 those are
@@ -250,11 +264,11 @@ __device__ __forceinline__ float OrderedToFloat(int b) {
 // lane j + 16 (every lane must call).
 template <int D, int G>
 __device__ __forceinline__ void QuantizePackWarp(const float (&y)[D / 32],
-                                                 const float (&loq)[(D / 32) / (G > 32 ? G / 32 : 1)],
-                                                 const float (&inv)[(D / 32) / (G > 32 ? G / 32 : 1)],
+                                                 const float (&loq)[kLaneGroups<D, G>],
+                                                 const float (&inv)[kLaneGroups<D, G>],
                                                  uint8_t* codes_out, int lane) {
   constexpr int E = D / 32;
-  constexpr int kPer = G > 32 ? G / 32 : 1;
+  constexpr int kPer = kLaneGroupElems<G>;
   uint32_t c[E];
 #pragma unroll
   for (int i = 0; i < E; ++i) {
@@ -307,11 +321,8 @@ __device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out
       mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     }
-    const float sc = fmaxf(__fsub_rn(mx, mn), kMinRange) / 3.0f;
-    const __half s_h = __float2half_rn(sc), lo_h = __float2half_rn(mn);
-    const float sq = __half2float(s_h);
-    loq[i] = __half2float(lo_h);
-    inv[i] = sq > 0.0f ? 1.0f / sq : 0.0f;
+    __half s_h, lo_h;
+    GroupParams(mn, mx, s_h, lo_h, loq[i], inv[i]);
     // Element lane + 32 i is its group's first on one lane only.
     const int e = lane + 32 * i;
     if (e % G == 0) {  // one 32-bit store: scale in the low half, min in the high half
@@ -328,7 +339,7 @@ __device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out
 // min and max come from one warp reduction, so the group's scalar work
 // (range, scale, fp16 rounding, reciprocal) is done once, by lane t for group
 // t of the pass (row t / NG, group t % NG), and broadcast, instead of by all
-// 32 lanes. The scale arithmetic is QuantizeRowWarp's, so the same bits.
+// 32 lanes. Both take a group's parameters from GroupParams: the same bits.
 template <int D, int G, int R>
 __device__ void QuantizeRowsWarp(const float* const (&yrows)[R], const float (&tau)[R],
                                  uint8_t* const (&codes_out)[R],
@@ -341,8 +352,8 @@ __device__ void QuantizeRowsWarp(const float* const (&yrows)[R], const float (&t
     }
   } else {
     constexpr int E = D / 32;
-    constexpr int kPer = G / 32;         // a lane's elements per group
-    constexpr int NG = E / kPer;         // groups per row (= D / G)
+    constexpr int kPer = kLaneGroupElems<G>;  // a lane's elements per group
+    constexpr int NG = kLaneGroups<D, G>;     // groups per row (= D / G)
     constexpr int T = R * NG;            // groups of the pass
     static_assert(T <= 32, "a lane per group of the pass");
     float y[R][E];
@@ -379,11 +390,9 @@ __device__ void QuantizeRowsWarp(const float* const (&yrows)[R], const float (&t
       }
     }
     const float mn = OrderedToFloat(my_mn), mx = OrderedToFloat(my_mx);
-    const float sc = fmaxf(__fsub_rn(mx, mn), kMinRange) / 3.0f;
-    const __half s_h = __float2half_rn(sc), lo_h = __float2half_rn(mn);
-    const float sq = __half2float(s_h);
-    const float my_loq = __half2float(lo_h);
-    const float my_inv = sq > 0.0f ? 1.0f / sq : 0.0f;
+    __half s_h, lo_h;
+    float my_loq, my_inv;
+    GroupParams(mn, mx, s_h, lo_h, my_loq, my_inv);
     if (lane < T && my_use) {  // one 32-bit store: scale in the low half, min in the high half
       *reinterpret_cast<uint32_t*>(my_params + my_group) =
           uint32_t(__half_as_ushort(s_h)) | (uint32_t(__half_as_ushort(lo_h)) << 16);
