@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
   constexpr int W = cluster::kWarpsPerBlock, kThreadsB = cluster::kThreads;
   constexpr int S = D / NB;  // q' columns, merged dims and output dims per block
   static_assert(S * NB == D, "the blocks of a cluster split the head dim evenly");
-  __shared__ float sm_o[W][HG][D];
+  __shared__ __align__(16) float sm_o[W][HG][D];  // also the exact steps' scratch
   __shared__ float sm_m[W][HG], sm_l[W][HG];
   // This block's partials ([0] history, rotated; [1] exact), each acc [g][D],
   // m [g], l [g] (PartialFloats).
@@ -271,10 +271,10 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
     typename Ex::Rows rows;
     seek(0);
     if (e < nb) {
-      Ex::LoadRows(a, h, blk, t, t1, lane, rows);
       ex.Init(qexact, 1.0f, g, lane);  // scaled already
+      Ex::LoadRows(a, h, blk, t, t1, lane, rows);
       while (e < nb) {
-        ex.Step(g, rows, t, t1);
+        ex.Step(g, rows, t, t1, lane, &sm_o[warp][0][0]);  // free until Finish
         t += Ex::kTokensPerStep;
         if (t >= t1) seek(e + 1);
         if (e < nb) Ex::LoadRows(a, h, blk, t, t1, lane, rows);

@@ -10,36 +10,36 @@ namespace cuda_attend {
 
 // Lane owns dims [lane*EL, (lane+1)*EL) of every row. A warp handles its
 // share of each exact block in steps of kTokensPerStep tokens: the rows of a
-// step are loaded into Rows (LoadRows) before they are used (Step), so the
-// split kernel can issue the first step's loads before it waits for the prep
-// kernel.
+// step are loaded into Rows (LoadRows, as raw bf16 words, so two steps' rows
+// fit in registers) before they are used (Step, which converts them).
 template <int D, int HG>
 struct ExactWarp {
   static constexpr int EL = D / 32;
+  static constexpr int kWords = EL / 2;  // bf16 pairs per lane and row
   static constexpr int kTokensPerStep = D <= 128 ? 8 : 4;
   float q[HG][EL];
   float acc[HG][EL];
   float m[HG], l[HG];
 
   struct Rows {
-    float k[kTokensPerStep][EL], v[kTokensPerStep][EL];
+    uint32_t k[kTokensPerStep][kWords], v[kTokensPerStep][kWords];
   };
 
-  __device__ static void LoadRow(const bf16_bits* row, float (&x)[EL]) {
-    if constexpr (EL == 2) {
-      const uint32_t v = __ldg(reinterpret_cast<const unsigned int*>(row));
-      x[0] = Bf16ToFloat(static_cast<bf16_bits>(v & 0xffffu));
-      x[1] = Bf16ToFloat(static_cast<bf16_bits>(v >> 16));
+  __device__ static void LoadRow(const bf16_bits* row, uint32_t (&x)[kWords]) {
+    if constexpr (kWords == 1) {
+      x[0] = __ldg(reinterpret_cast<const unsigned int*>(row));
     } else {
 #pragma unroll
-      for (int w = 0; w < EL / 4; ++w) {
+      for (int w = 0; w < kWords / 2; ++w) {
         const uint2 v = __ldg(reinterpret_cast<const uint2*>(row) + w);
-        x[4 * w + 0] = Bf16ToFloat(static_cast<bf16_bits>(v.x & 0xffffu));
-        x[4 * w + 1] = Bf16ToFloat(static_cast<bf16_bits>(v.x >> 16));
-        x[4 * w + 2] = Bf16ToFloat(static_cast<bf16_bits>(v.y & 0xffffu));
-        x[4 * w + 3] = Bf16ToFloat(static_cast<bf16_bits>(v.y >> 16));
+        x[2 * w] = v.x;
+        x[2 * w + 1] = v.y;
       }
     }
+  }
+  // Element e of a lane's row (its dim lane·EL + e).
+  __device__ static __forceinline__ float Elem(const uint32_t (&x)[kWords], int e) {
+    return __uint_as_float(e % 2 == 0 ? x[e / 2] << 16 : x[e / 2] & 0xffff0000u);
   }
 
   // The query rows of the kv head's g heads (qg[hh·D + d]) times `scale`
@@ -73,46 +73,78 @@ struct ExactWarp {
         LoadRow(vb + size_t(t + u) * row_elems, r.v[u]);
       } else {
 #pragma unroll
-        for (int e = 0; e < EL; ++e) r.k[u][e] = r.v[u][e] = 0.0f;
+        for (int w = 0; w < kWords; ++w) r.k[u][w] = r.v[u][w] = 0u;  // +0.0 pairs
       }
     }
   }
 
-  // Online softmax and accumulation over the tokens of one step.
-  __device__ void Step(int g, const Rows& r, int t, int t1) {
+  // (head, token) logits of one step, and how many one reduce-scatter sums.
+  static constexpr int kLogits = HG * kTokensPerStep;
+  static constexpr int kScatter = kLogits < 32 ? kLogits : 32;
+  static_assert(kLogits % kScatter == 0 && kLogits % 4 == 0, "whole reduce-scatters, float4 reads");
+
+  // Online softmax and accumulation over the tokens of one step. `scratch`:
+  // kLogits floats of this warp's shared memory, 16-byte aligned, free until
+  // Finish. The lanes' shares of the (head, token) dot products are summed
+  // over the warp by reduce-scatters of 32 (kScatter) values, 31 shuffles
+  // each, and gathered through `scratch`, not reduced one by one (5 shuffles
+  // per logit, 160 per step at D 128, g 4: the exact units were the last of
+  // a B1 8K call's split blocks, H200 2026-11-30, run 20). Heads past g have
+  // zero queries (Init) and are skipped after the sums.
+  __device__ void Step(int g, const Rows& r, int t, int t1, int lane, float* scratch) {
+    __syncwarp();  // every lane's reads of the last step's logits are done
+#pragma unroll
+    for (int c = 0; c < kLogits / kScatter; ++c) {
+      float v[kScatter];
+#pragma unroll
+      for (int i = 0; i < kScatter; ++i) {
+        const int hh = (c * kScatter + i) / kTokensPerStep, u = (c * kScatter + i) % kTokensPerStep;
+        float dot = 0.0f;
+#pragma unroll
+        for (int e = 0; e < EL; ++e) dot = fmaf(q[hh][e], Elem(r.k[u], e), dot);
+        v[i] = dot;
+      }
+      const float sum = WarpSumScatter(v, lane);
+      constexpr int kLanesPerLogit = 32 / kScatter;
+      if (lane % kLanesPerLogit == 0) scratch[c * kScatter + lane / kLanesPerLogit] = sum;
+    }
+    __syncwarp();
 #pragma unroll
     for (int hh = 0; hh < HG; ++hh) {
       if (hh >= g) break;
       float lg[kTokensPerStep];
 #pragma unroll
-      for (int u = 0; u < kTokensPerStep; ++u) {
-        float s = 0.0f;
-#pragma unroll
-        for (int e = 0; e < EL; ++e) s = fmaf(q[hh][e], r.k[u][e], s);
-#pragma unroll
-        for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
-        lg[u] = t + u < t1 ? s : -INFINITY;
+      for (int u4 = 0; u4 < kTokensPerStep; u4 += 4) {
+        const float4 x = reinterpret_cast<const float4*>(scratch + hh * kTokensPerStep)[u4 / 4];
+        lg[u4] = x.x;
+        lg[u4 + 1] = x.y;
+        lg[u4 + 2] = x.z;
+        lg[u4 + 3] = x.w;
       }
+#pragma unroll
+      for (int u = 0; u < kTokensPerStep; ++u) lg[u] = t + u < t1 ? lg[u] : -INFINITY;
       float cm = lg[0];
 #pragma unroll
       for (int u = 1; u < kTokensPerStep; ++u) cm = fmaxf(cm, lg[u]);
       const float mn = fmaxf(m[hh], cm);
-      const float f = exp2f(m[hh] - mn);
+      const float f = FastExp2(m[hh] - mn);  // 0 while empty
       m[hh] = mn;
       l[hh] *= f;
 #pragma unroll
       for (int e = 0; e < EL; ++e) acc[hh][e] *= f;
 #pragma unroll
       for (int u = 0; u < kTokensPerStep; ++u) {
-        const float p = exp2f(lg[u] - mn);
+        const float p = FastExp2(lg[u] - mn);
         l[hh] += p;
 #pragma unroll
-        for (int e = 0; e < EL; ++e) acc[hh][e] = fmaf(p, r.v[u][e], acc[hh][e]);
+        for (int e = 0; e < EL; ++e) acc[hh][e] = fmaf(p, Elem(r.v[u], e), acc[hh][e]);
       }
     }
   }
 
+  // Writes the warp's state; sm_o may be the steps' scratch.
   __device__ void Finish(int g, int lane, float (*sm_o)[D], float* sm_m, float* sm_l) const {
+    __syncwarp();  // every lane's reads of the last step's logits are done
 #pragma unroll
     for (int hh = 0; hh < HG; ++hh) {
       if (hh >= g) break;

@@ -47,7 +47,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
   static_assert(kStages == 0 || !kPipeline, "the stage ring replaces the register buffers");
   constexpr int HG = C::HG;
-  __shared__ float sm_o[kWarps][HG][D];
+  __shared__ __align__(16) float sm_o[kWarps][HG][D];  // also the exact steps' scratch
   __shared__ float sm_m[kWarps][HG];
   __shared__ float sm_l[kWarps][HG];
   const int warp = WarpIndex(), lane = threadIdx.x & 31;
@@ -194,7 +194,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     }
     // Exact blocks [exact_begin, exact_end); each block's tokens split over
     // the 4 warps, in steps of Ex::kTokensPerStep tokens. The block references
-    // are held one per lane (blocks [base, base + 32)). The exact part reads
+    // are held one per lane (blocks [base, base + 32)); the first block's is
+    // also in the unit, so its rows need not wait for the lanes' loads (at
+    // B1 8K each exact unit has just that block). The exact part reads
     // the raw queries, not the prep kernel's output, so an exact-only unit
     // waits for that kernel only before writing its partial (a unit with a
     // history part has waited already, and prefetched these rows into L2).
@@ -219,28 +221,51 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           base += 32;
           my_ref = fetch_ref(base);
         }
-        blk.block = reinterpret_cast<const bf16_bits*>(__shfl_sync(
-            kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
-        blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
+        if (e == 0) {
+          blk = wu.first_exact;  // without waiting for my_ref
+        } else {
+          blk.block = reinterpret_cast<const bf16_bits*>(__shfl_sync(
+              kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
+          blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
+        }
         const int per = (blk.tokens + kWarps - 1) / kWarps;
         t = warp * per;
         t1 = min(blk.tokens, t + per);
         if (t < t1) return;
       }
     };
-    typename Ex::Rows rows;
+    // Two steps' rows in flight where the registers allow (D <= 128 with
+    // g <= 4 at 3 blocks per SM; elsewhere ptxas spills them): the next
+    // step's loads go out before this step's math. (A history unit's exact
+    // part at B8 64K waited a memory round trip per step.)
+    constexpr bool kTwoRowBuffers = HG <= 4 && D <= 128 && kMinBlocks <= 3;
+    typename Ex::Rows rows_a, rows_b;
     seek(0);
-    if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
-    if (!has_history) LaunchDependents();
-    Trace(trace, blockIdx.x, kTraceExactRows);
     if (e < nb) {
+      // The queries' loads first, then the rows', without waiting between.
       ex.Init(a.queries + (size_t(wu.item) * a.hq + size_t(wu.kv_head) * a.g) * D, a.scale_log2,
               a.g, lane);
-      while (e < nb) {
-        ex.Step(a.g, rows, t, t1);
+      Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows_a);
+    }
+    if (!has_history) LaunchDependents();
+    if (e < nb) {
+      // Runs the step whose rows are in `cur`, loading the next step's into
+      // `next` first (after, when they are the same); false when none is left.
+      auto step = [&](typename Ex::Rows& cur, typename Ex::Rows& next) {
+        const int st = t, st1 = t1;
         t += Ex::kTokensPerStep;
         if (t >= t1) seek(e + 1);
-        if (e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+        if (kTwoRowBuffers && e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, next);
+        ex.Step(a.g, cur, st, st1, lane, &sm_o[warp][0][0]);  // free until Finish
+        if (!kTwoRowBuffers && e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, next);
+        return e < nb;
+      };
+      typename Ex::Rows& second = kTwoRowBuffers ? rows_b : rows_a;
+      bool more = step(rows_a, second);
+      Trace(trace, blockIdx.x, kTraceExactFirstStep);
+      while (more) {
+        if (!step(second, rows_a)) break;
+        more = step(rows_a, second);
       }
       ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
     }

@@ -339,6 +339,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   for (long u = 0; u < num_work; ++u) {
     WorkUnit& wu = work[u];
     wu.exact = wu.exact_end > wu.exact_begin ? items[wu.item].exact + wu.exact_begin : nullptr;
+    wu.first_exact = wu.exact != nullptr ? b.items[wu.item].exact[wu.exact_begin] : ExactBlockRef{};
   }
   int max_splits = 0;
   for (int i = 0; i < n; ++i) {

@@ -29,7 +29,8 @@ __device__ void CombineWarpStates(int g, const float (*sm_o)[HG][D], const float
     for (int w = 0; w < W; ++w) M = fmaxf(M, sm_m[w][hh]);
     float L = 0.0f;
     for (int w = 0; w < W; ++w) {
-      const float x = (M == -INFINITY || sm_m[w][hh] == -INFINITY) ? 0.0f : exp2f(sm_m[w][hh] - M);
+      // 2^(-inf) = 0 for a warp without tokens; all without: M = -inf.
+      const float x = M == -INFINITY ? 0.0f : FastExp2(sm_m[w][hh] - M);
       wt[hh][w] = x;
       L += x * sm_l[w][hh];
     }
@@ -50,23 +51,21 @@ __device__ void CombineWarpStates(int g, const float (*sm_o)[HG][D], const float
 
 // One output dim from the exact set (normalized o_exact, base-2 LSE lse_e2)
 // and the un-rotated history set (o_hist, lse_h2), merged with the
-// online-softmax rule (as MergeAttention on the CPU); *lse gets the head's
-// natural-log LSE. Both sets empty: 0, and *lse = -inf.
+// online-softmax rule (as MergeAttention on the CPU, there in natural logs);
+// *lse gets the head's natural-log LSE. Both sets empty: 0, and *lse = -inf.
 __device__ __forceinline__ float MergeSets(float lse_e2, float o_exact, float lse_h2, float o_hist,
                                            float* lse) {
-  const float lse_a = lse_e2 == -INFINITY ? -INFINITY : lse_e2 * kLn2;
-  const float lse_b = lse_h2 == -INFINITY ? -INFINITY : lse_h2 * kLn2;
-  const float mx = fmaxf(lse_a, lse_b);
+  const float mx = fmaxf(lse_e2, lse_h2);
   if (mx == -INFINITY) {
     *lse = -INFINITY;
     return 0.0f;
   }
-  const float wa = lse_a == -INFINITY ? 0.0f : expf(lse_a - mx);
-  const float wb = lse_b == -INFINITY ? 0.0f : expf(lse_b - mx);
+  const float wa = FastExp2(lse_e2 - mx);  // 0 for an empty set
+  const float wb = FastExp2(lse_h2 - mx);
   const float x = wa > 0.0f ? wa * o_exact : 0.0f;
   const float y = wb > 0.0f ? wb * o_hist : 0.0f;
-  *lse = mx + logf(wa + wb);
-  return (x + y) * (1.0f / (wa + wb));
+  *lse = (mx + FastLog2(wa + wb)) * kLn2;
+  return (x + y) * __frcp_rn(wa + wb);
 }
 
 // One online-softmax state (base-2 logits) over a warp's share of partials;
@@ -84,7 +83,7 @@ struct MergeState {
   __device__ void MoveMax(float mx) {
     const float mn = fmaxf(m, mx);
     if (mn == -INFINITY) return;  // still empty
-    const float f = exp2f(m - mn);  // 0 while empty
+    const float f = FastExp2(m - mn);  // 0 while empty
     l *= f;
 #pragma unroll
     for (int e = 0; e < EL; ++e) acc[e] *= f;
@@ -116,22 +115,34 @@ __device__ void CombineWarps(const MergeState<D> (&st)[2], float (*sm_a)[kWarps]
     }
   }
   __syncthreads();
+  // Approximate exp2 / log2 (ex2.approx, lg2.approx: relative errors near
+  // 2^-22, inside the tests' 1e-4 on outputs and LSE) and one reciprocal per
+  // set: the accurate library calls and a division per dim were most of
+  // this step's instructions, on a B = 1 call's critical path.
 #pragma unroll
   for (int set = 0; set < 2; ++set) {
     float M = -INFINITY;
+#pragma unroll
     for (int w = 0; w < kWarps; ++w) M = fmaxf(M, sm_m[set][w]);
     float L = 0.0f;
     float wt[kWarps];
+#pragma unroll
     for (int w = 0; w < kWarps; ++w) {
-      wt[w] = (M == -INFINITY || sm_m[set][w] == -INFINITY) ? 0.0f : exp2f(sm_m[set][w] - M);
+      // 2^(-inf) = 0 for an empty warp; all empty: M = -inf, weights 0.
+      wt[w] = M == -INFINITY ? 0.0f : FastExp2(sm_m[set][w] - M);
       L += wt[w] * sm_l[set][w];
     }
-    for (int d = threadIdx.x; d < D; d += kThreads) {
+    const float inv = L > 0.0f ? __frcp_rn(L) : 0.0f;
+#pragma unroll
+    for (int i = 0; i < (D + kThreads - 1) / kThreads; ++i) {
+      const int d = threadIdx.x + i * kThreads;
+      if (d >= D) break;
       float A = 0.0f;
-      for (int w = 0; w < kWarps; ++w) A += wt[w] * sm_a[set][w][d];
-      o[set][d] = L > 0.0f ? A / L : 0.0f;
+#pragma unroll
+      for (int w = 0; w < kWarps; ++w) A = fmaf(wt[w], sm_a[set][w][d], A);
+      o[set][d] = A * inv;
     }
-    lse2[set] = L > 0.0f ? M + log2f(L) : -INFINITY;
+    lse2[set] = L > 0.0f ? M + FastLog2(L) : -INFINITY;
   }
   __syncthreads();
 }
@@ -182,14 +193,15 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   // Entries [0, nh) are history partials, [nh, n) exact ones. Warp w takes
   // entries w + kWarps·i, 32 per round: lane i reads entry i's (m, l), so the
   // round's max per set, the weights 2^(m - max) and the weighted sum of l
-  // are one load and a few shuffles per warp; then the entries' acc rows are
-  // loaded kBatch at a time, each weight shuffled from its lane. Offsets are
-  // in floats from a.partials (< 2^31: Prepare refuses larger batches). An
-  // empty partial (m = -inf) weighs 0 against its acc row, which the split
-  // kernel writes as zeros (CombineWarpStates), so 0·row adds nothing.
-  // (A B = 1 call waits on this kernel's instructions: the earlier loop of
-  // one 64-bit address computation per load took 2.3 us after the wait at
-  // B1 8K on the H200, tests/bench/RESULTS.md run 19.)
+  // are one load and a few shuffles per warp. The entries' acc rows are
+  // loaded kBatch at a time, the first batch before those shuffles (its
+  // loads do not depend on them), and added with each weight shuffled from
+  // its lane. Offsets are in floats from a.partials (< 2^31: Prepare refuses
+  // larger batches). An empty partial (m = -inf) weighs 0 against its acc
+  // row, which the split kernel writes as zeros (CombineWarpStates), so
+  // 0·row adds nothing. (A B = 1 call waits on this kernel's instructions:
+  // the earlier loop of one 64-bit address computation per load took 2.3 us
+  // after the wait at B1 8K on the H200, tests/bench/RESULTS.md run 19.)
   const float* const parts = a.partials;
   const int pf = static_cast<int>(PartialFloats(g, D));
   const int m_off = g * D + hh, l_off = g * D + g + hh, a_off = hh * D + lane;
@@ -198,9 +210,35 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
     s = min(s, n - 1);
     return (s < nh ? hfirst + s : efirst + (s - nh)) * pf;
   };
+  // The acc rows of this warp's entries i0 .. i0 + kBatch - 1 of the round
+  // at r0 (of `count`; zeros past it).
+  auto load_batch = [&](int r0, int i0, int count, float (&pa)[kBatch][EL]) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int i = i0 + u;
+      const float* p = parts + row(r0 + kWarps * i) + a_off;
+#pragma unroll
+      for (int e = 0; e < EL; ++e) pa[u][e] = i < count ? p[32 * e] : 0.0f;
+    }
+  };
   MergeState<D> st[2];
   st[0].Clear();
   st[1].Clear();
+  // Adds a loaded batch, entry i's weight from lane i % 32's w.
+  auto add_batch = [&](int r0, int i0, int count, const float (&pa)[kBatch][EL], float w) {
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const float wt = __shfl_sync(kFull, w, (i0 + u) & 31);
+      // Each entry adds to its own set only (a weight of 0 would still
+      // carry a NaN of the other set's row).
+      if (i0 + u >= count) break;
+      if (r0 + kWarps * (i0 + u) >= nh) {
+        st[1].Add(wt, pa[u]);
+      } else {
+        st[0].Add(wt, pa[u]);
+      }
+    }
+  };
   for (int r0 = warp; r0 < n; r0 += 32 * kWarps) {
     const int mine = r0 + kWarps * lane;  // this lane's entry
     const bool my_exact = mine >= nh;
@@ -210,6 +248,9 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
       pm = p[m_off];
       pl = p[l_off];
     }
+    const int count = min(32, (n - r0 + kWarps - 1) / kWarps);  // this warp's entries
+    float pa[kBatch][EL];
+    load_batch(r0, 0, count, pa);
     float mx[2] = {my_exact ? -INFINITY : pm, my_exact ? pm : -INFINITY};
 #pragma unroll
     for (int off = 16; off >= 1; off >>= 1) {
@@ -219,7 +260,7 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
     st[0].MoveMax(mx[0]);
     st[1].MoveMax(mx[1]);
     // An empty partial (m = -inf) weighs 0.
-    const float w = pm == -INFINITY ? 0.0f : exp2f(pm - (my_exact ? st[1].m : st[0].m));
+    const float w = pm == -INFINITY ? 0.0f : FastExp2(pm - (my_exact ? st[1].m : st[0].m));
     float lw[2] = {my_exact ? 0.0f : w * pl, my_exact ? w * pl : 0.0f};
 #pragma unroll
     for (int off = 16; off >= 1; off >>= 1) {
@@ -228,28 +269,10 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
     }
     st[0].l += lw[0];
     st[1].l += lw[1];
-    const int count = min(32, (n - r0 + kWarps - 1) / kWarps);  // this warp's entries
-    for (int i0 = 0; i0 < count; i0 += kBatch) {
-      float pa[kBatch][EL], wt[kBatch];
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        const int i = i0 + u, s = r0 + kWarps * i;
-        wt[u] = __shfl_sync(kFull, w, i & 31);
-        const float* p = parts + row(s) + a_off;
-#pragma unroll
-        for (int e = 0; e < EL; ++e) pa[u][e] = i < count ? p[32 * e] : 0.0f;
-      }
-#pragma unroll
-      for (int u = 0; u < kBatch; ++u) {
-        // Each entry adds to its own set only (a weight of 0 would still
-        // carry a NaN of the other set's row).
-        if (i0 + u >= count) break;
-        if (r0 + kWarps * (i0 + u) >= nh) {
-          st[1].Add(wt[u], pa[u]);
-        } else {
-          st[0].Add(wt[u], pa[u]);
-        }
-      }
+    add_batch(r0, 0, count, pa, w);
+    for (int i0 = kBatch; i0 < count; i0 += kBatch) {
+      load_batch(r0, i0, count, pa);
+      add_batch(r0, i0, count, pa, w);
     }
   }
   Trace(trace, block, kTraceWritten);
@@ -258,15 +281,21 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   Trace(trace, block, kTraceLoopDone);
   const float lse_h2 = lse2[0], lse_e2 = lse2[1];
   if (lse_h2 != -INFINITY) {
+    // Warp w's kPerWarp (8) rows of R_V: every lane's share of each dot
+    // product, then one reduce-scatter (9 shuffles, not 8 chains of 5): lane
+    // l ends with row l / 4's sum.
+    static_assert(kPerWarp == 8, "lane l holds row l / 4");
+    float ov[EL], s[kPerWarp];
+#pragma unroll
+    for (int e = 0; e < EL; ++e) ov[e] = o_set[0][lane + 32 * e];
 #pragma unroll
     for (int jj = 0; jj < kPerWarp; ++jj) {
-      float s = 0.0f;
+      s[jj] = 0.0f;
 #pragma unroll
-      for (int e = 0; e < EL; ++e) s = fmaf(o_set[0][lane + 32 * e], rr[jj][e], s);
-#pragma unroll
-      for (int off = 16; off >= 1; off >>= 1) s += __shfl_xor_sync(kFull, s, off);
-      if (lane == 0) o_hist[warp * kPerWarp + jj] = s;
+      for (int e = 0; e < EL; ++e) s[jj] = fmaf(ov[e], rr[jj][e], s[jj]);
     }
+    const float sum = WarpSumScatter(s, lane);
+    if ((lane & 3) == 0) o_hist[warp * kPerWarp + (lane >> 2)] = sum;
   } else {
     if (threadIdx.x < kSlice) o_hist[threadIdx.x] = 0.0f;
   }

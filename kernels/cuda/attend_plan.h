@@ -54,6 +54,9 @@ struct WorkUnit {
   // unit with exact blocks, else null): its blocks are found without reading
   // the item plan first, one dependent load less before their rows.
   const ExactBlockRef* exact = nullptr;
+  // exact[0] itself (when `exact` is set): the first block's rows are loaded
+  // straight after the unit, one more dependent load less.
+  ExactBlockRef first_exact;
 };
 
 // Floats per partial: acc [g][D], then m [g], then l [g].
@@ -98,10 +101,10 @@ enum TraceMarkIndex : int {
   // split: the history partial written; merge: warp 0's partials added
   // (before kTraceLoopDone)
   kTraceWritten = 4,
-  // split, exact part: its first rows in registers (converted to fp32 as
-  // they load; an exact-only unit waits for the prep kernel only before
-  // writing its partial)
-  kTraceExactRows = 5,
+  // split, exact part: warp 0's first step done (its rows arrived and used;
+  // an exact-only unit waits for the prep kernel only before writing its
+  // partial)
+  kTraceExactFirstStep = 5,
   kTraceExactDone = 6,  // split: warp 0's exact blocks done
   kTraceEnd = 7,        // every kernel: thread 0's last instruction
 };

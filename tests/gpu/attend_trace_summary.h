@@ -50,7 +50,7 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
   // What each mark means in each kernel (attend_plan.h); "" = unused.
   const char* mark_names[kTraceKernels][kTraceMarks] = {
       {"start", "", "rk_product", "stats", "", "", "", "end"},
-      {"start", "", "waited", "loop_done", "written", "exact_rows", "exact_done", "end"},
+      {"start", "", "waited", "loop_done", "written", "exact_step1", "exact_done", "end"},
       {"start", "", "waited", "combined", "warp0_added", "", "", "end"},
   };
   for (int k = 0; k < kTraceKernels; ++k) {
@@ -69,8 +69,8 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
       if (k == kTraceSplit && row[kTraceWaited] != 0 && row[kTraceLoopDone] != 0) {
         history_run.push_back(us(kTraceLoopDone) - us(kTraceWaited));
       }
-      if (k == kTraceSplit && row[kTraceExactRows] != 0 && row[kTraceExactDone] != 0) {
-        exact_run.push_back(us(kTraceExactDone) - us(kTraceExactRows));
+      if (k == kTraceSplit && row[kTraceExactFirstStep] != 0 && row[kTraceExactDone] != 0) {
+        exact_run.push_back(us(kTraceExactDone) - us(kTraceExactFirstStep));
       }
     }
     for (int m = 0; m < kTraceMarks; ++m) {
@@ -102,7 +102,7 @@ inline void PrintTraceSummary(const std::vector<AttendTrace>& calls, const char*
   const char* order[] = {
       "prep.start",          "prep.rk_product",     "prep.stats",          "prep.end",
       "prep.block_us",       "split.start",         "split.waited",        "split.loop_done",
-      "split.written",       "split.exact_rows",    "split.exact_done",    "split.end",
+      "split.written",       "split.exact_step1",   "split.exact_done",    "split.end",
       "split.block_us",      "split.history_loop_us", "split.exact_part_us", "merge.start",
       "merge.waited",        "merge.warp0_added",   "merge.combined",      "merge.end",
       "merge.block_us"};
