@@ -10,8 +10,8 @@ namespace cuda_attend {
 
 // Lane owns dims [lane*EL, (lane+1)*EL) of every row. A warp handles its
 // share of each exact block in steps of kTokensPerStep tokens: the rows of a
-// step are loaded into Rows (LoadRows, as raw bf16 words, so two steps' rows
-// fit in registers) before they are used (Step, which converts them).
+// step are loaded into Rows (LoadRows, as raw bf16 words: half the registers
+// of fp32) before they are used (Step, which converts them).
 template <int D, int HG>
 struct ExactWarp {
   static constexpr int EL = D / 32;

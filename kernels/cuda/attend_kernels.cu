@@ -234,38 +234,28 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         if (t < t1) return;
       }
     };
-    // Two steps' rows in flight where the registers allow (D <= 128 with
-    // g <= 4 at 3 blocks per SM; elsewhere ptxas spills them): the next
-    // step's loads go out before this step's math. (A history unit's exact
-    // part at B8 64K waited a memory round trip per step.)
-    constexpr bool kTwoRowBuffers = HG <= 4 && D <= 128 && kMinBlocks <= 3;
-    typename Ex::Rows rows_a, rows_b;
+    // One step's rows at a time: two in flight (the next step's loads before
+    // this step's math) measured the same at B1 and B8 (H200, 2026-11-30,
+    // RESULTS run 20) and took more registers.
+    typename Ex::Rows rows;
     seek(0);
     if (e < nb) {
       // The queries' loads first, then the rows', without waiting between.
       ex.Init(a.queries + (size_t(wu.item) * a.hq + size_t(wu.kv_head) * a.g) * D, a.scale_log2,
               a.g, lane);
-      Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows_a);
+      Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
     }
     if (!has_history) LaunchDependents();
     if (e < nb) {
-      // Runs the step whose rows are in `cur`, loading the next step's into
-      // `next` first (after, when they are the same); false when none is left.
-      auto step = [&](typename Ex::Rows& cur, typename Ex::Rows& next) {
-        const int st = t, st1 = t1;
+      float* const scratch = &sm_o[warp][0][0];  // free until Finish
+      ex.Step(a.g, rows, t, t1, lane, scratch);
+      Trace(trace, blockIdx.x, kTraceExactFirstStep);
+      while (true) {
         t += Ex::kTokensPerStep;
         if (t >= t1) seek(e + 1);
-        if (kTwoRowBuffers && e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, next);
-        ex.Step(a.g, cur, st, st1, lane, &sm_o[warp][0][0]);  // free until Finish
-        if (!kTwoRowBuffers && e < nb) Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, next);
-        return e < nb;
-      };
-      typename Ex::Rows& second = kTwoRowBuffers ? rows_b : rows_a;
-      bool more = step(rows_a, second);
-      Trace(trace, blockIdx.x, kTraceExactFirstStep);
-      while (more) {
-        if (!step(second, rows_a)) break;
-        more = step(rows_a, second);
+        if (e >= nb) break;
+        Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+        ex.Step(a.g, rows, t, t1, lane, scratch);
       }
       ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
     }

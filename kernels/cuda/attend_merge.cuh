@@ -194,9 +194,13 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   // entries w + kWarps·i, 32 per round: lane i reads entry i's (m, l), so the
   // round's max per set, the weights 2^(m - max) and the weighted sum of l
   // are one load and a few shuffles per warp. The entries' acc rows are
-  // loaded kBatch at a time, the first batch before those shuffles (its
-  // loads do not depend on them), and added with each weight shuffled from
-  // its lane. Offsets are in floats from a.partials (< 2^31: Prepare refuses
+  // loaded kBatch at a time and added with each weight shuffled from its
+  // lane. (The first batch is written before the shuffles, but ptxas places
+  // its loads after them, a second round of memory latency; loading every
+  // row unconditionally, to free them, made ptxas split them over the
+  // adds' branches instead, 1.5 us slower at B1 8K: H200 SASS and
+  // timeline, 2026-11-30, RESULTS run 20.) Offsets are in floats from
+  // a.partials (< 2^31: Prepare refuses
   // larger batches). An empty partial (m = -inf) weighs 0 against its acc
   // row, which the split kernel writes as zeros (CombineWarpStates), so
   // 0·row adds nothing. (A B = 1 call waits on this kernel's instructions:
