@@ -198,10 +198,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     // also in the unit, so its rows need not wait for the lanes' loads (at
     // B1 8K each exact unit has just that block). The exact part reads
     // the raw queries, not the prep kernel's output, so an exact-only unit
-    // waits for that kernel only before writing its partial (a unit with a
+    // issues its loads before it waits for that kernel (a unit with a
     // history part has waited already, and prefetched these rows into L2).
-    // (H200, 2026-11-30, tests/bench/RESULTS.md run 19: no measurable gain
-    // at B1 8K, where these units wait on their own loads of the rows.)
     using Ex = ExactWarp<D, HG>;
     Ex ex;
     const int nb = wu.exact_end - wu.exact_begin;
@@ -245,7 +243,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
               a.g, lane);
       Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
     }
-    if (!has_history) LaunchDependents();
+    if (!has_history) {
+      LaunchDependents();
+      // An exact-only unit needs nothing from the prep kernel, but it does
+      // its math only once that kernel is done: computing during the prep-to-
+      // split handoff (the rows of one block arrive by then) delayed the
+      // history units' wait by ~0.5 us and the call by 0.35 us at B1 32K and
+      // 64K (H200, 2026-11-30, RESULTS run 20). The wait also keeps "split
+      // done" implying "prep done" in a batch without history, where no other
+      // block waits: the next call reuses the prep kernel's buffers.
+      WaitForPrerequisites();
+    }
     if (e < nb) {
       float* const scratch = &sm_o[warp][0][0];  // free until Finish
       ex.Step(a.g, rows, t, t1, lane, scratch);
@@ -260,11 +268,6 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
     }
     Trace(trace, blockIdx.x, kTraceExactDone);
-    // Every split block waits for the prep kernel before it ends, so that
-    // the split grid's completion (which the merge kernel waits for) implies
-    // the prep kernel's, whose buffers the next call reuses. (Long done by
-    // now: no cost.)
-    if (!has_history) WaitForPrerequisites();
     WritePartial<D, HG>(a, wu.exact_partial, sm_o, sm_m, sm_l);
   }
   Trace(trace, blockIdx.x, kTraceEnd);

@@ -196,10 +196,12 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   // are one load and a few shuffles per warp. The entries' acc rows are
   // loaded kBatch at a time and added with each weight shuffled from its
   // lane. (The first batch is written before the shuffles, but ptxas places
-  // its loads after them, a second round of memory latency; loading every
-  // row unconditionally, to free them, made ptxas split them over the
-  // adds' branches instead, 1.5 us slower at B1 8K: H200 SASS and
-  // timeline, 2026-11-30, RESULTS run 20.) Offsets are in floats from
+  // its loads after them, a second round of memory latency. Unconditional
+  // loads made ptxas split them over the adds' branches, 1.5 us slower at
+  // B1 8K; volatile loads were slower too; a __threadfence_block() after
+  // them keeps them first and saved ~0.2 us of this phase but nothing
+  // measurable per call, so it is not used: H200 SASS and timelines,
+  // 2026-11-30, RESULTS run 20.) Offsets are in floats from
   // a.partials (< 2^31: Prepare refuses
   // larger batches). An empty partial (m = -inf) weighs 0 against its acc
   // row, which the split kernel writes as zeros (CombineWarpStates), so

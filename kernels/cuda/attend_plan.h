@@ -102,8 +102,7 @@ enum TraceMarkIndex : int {
   // (before kTraceLoopDone)
   kTraceWritten = 4,
   // split, exact part: warp 0's first step done (its rows arrived and used;
-  // an exact-only unit waits for the prep kernel only before writing its
-  // partial)
+  // an exact-only unit waits for the prep kernel before its math)
   kTraceExactFirstStep = 5,
   kTraceExactDone = 6,  // split: warp 0's exact blocks done
   kTraceEnd = 7,        // every kernel: thread 0's last instruction
