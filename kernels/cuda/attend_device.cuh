@@ -174,35 +174,53 @@ __device__ __forceinline__ float FastExp2(float x) {
   return y;
 }
 
+// log2 for x >= 1 in this code (sums of softmax weights): lg2.approx, ~2^-22
+// absolute error; 0 and subnormals would give -inf (ftz).
 __device__ __forceinline__ float FastLog2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 
+// One round of WarpSumScatter: each lane keeps kHalf of its 2·kHalf values
+// (the upper half when its lane bit `off` is set), adds the partner's copy of
+// them, then the next round. A template per round, so every index is a
+// constant: a runtime-bounded loop left v in local memory (N = 16, 32).
+template <int N, int kHalf>
+__device__ __forceinline__ void WarpSumScatterRound(float (&v)[N], int lane) {
+  if constexpr (kHalf >= 1) {
+    constexpr int off = 32 / N * kHalf;  // 16, 8, ... for N = 32
+    const bool upper = (lane & off) != 0;
+#pragma unroll
+    for (int i = 0; i < kHalf; ++i) {
+      const float send = upper ? v[i] : v[i + kHalf];
+      const float keep = upper ? v[i + kHalf] : v[i];
+      v[i] = keep + __shfl_xor_sync(kFull, send, off);
+    }
+    WarpSumScatterRound<N, kHalf / 2>(v, lane);
+  }
+}
+
 // The warp sums of N values held by every lane (v[i] of each lane summed
 // over the warp), scattered: lane l returns the sum of index l·N/32, which
-// lanes l·N/32·(32/N) .. +32/N−1 all hold. A transposing butterfly: log2(N)
-// rounds that each halve the values a lane keeps (N−1 shuffles in all),
-// then log2(32/N) plain rounds, where N separate 5-round reductions would
-// take 5·N shuffles in chains five deep. Clobbers v.
+// lanes l·N/32·(32/N) .. +32/N−1 all hold (WarpSumScatterSlot names one of
+// them). A transposing butterfly: log2(N) rounds that each halve the values
+// a lane keeps (N−1 shuffles in all), then log2(32/N) plain rounds, where N
+// separate 5-round reductions would take 5·N shuffles in chains five deep.
+// Clobbers v.
 template <int N>
 __device__ __forceinline__ float WarpSumScatter(float (&v)[N], int lane) {
   static_assert(N >= 1 && N <= 32 && (N & (N - 1)) == 0, "a power of two up to 32");
-#pragma unroll
-  for (int half = N / 2; half >= 1; half /= 2) {
-    const int off = 32 / N * half;  // 16, 8, ... for N = 32
-    const bool upper = (lane & off) != 0;
-#pragma unroll
-    for (int i = 0; i < half; ++i) {
-      const float send = upper ? v[i] : v[i + half];
-      const float keep = upper ? v[i + half] : v[i];
-      v[i] = keep + __shfl_xor_sync(kFull, send, off);
-    }
-  }
+  WarpSumScatterRound<N, N / 2>(v, lane);
 #pragma unroll
   for (int off = 16 / N; off >= 1; off /= 2) v[0] += __shfl_xor_sync(kFull, v[0], off);
   return v[0];
+}
+// The index whose sum WarpSumScatter<N> returned to `lane` if that lane is
+// the first of the lanes holding it, else -1: one writer per sum.
+template <int N>
+__device__ __forceinline__ int WarpSumScatterSlot(int lane) {
+  return lane % (32 / N) == 0 ? lane / (32 / N) : -1;
 }
 
 __device__ __forceinline__ float ValueFieldScale(int k) {

@@ -86,8 +86,9 @@ struct ExactWarp {
   // Online softmax and accumulation over the tokens of one step. `scratch`:
   // kLogits floats of this warp's shared memory, 16-byte aligned, free until
   // Finish. The lanes' shares of the (head, token) dot products are summed
-  // over the warp by reduce-scatters of 32 (kScatter) values, 31 shuffles
-  // each, and gathered through `scratch`, not reduced one by one (5 shuffles
+  // over the warp by reduce-scatters of kScatter (32; 16 at D 256, g <= 4)
+  // values, 31 shuffles each for 32, and gathered through `scratch`, not
+  // reduced one by one (5 shuffles
   // per logit, 160 per step at D 128, g 4: the exact units were the last of
   // a B1 8K call's split blocks, H200 2026-11-30, run 20). Heads past g have
   // zero queries (Init) and are skipped after the sums.
@@ -105,8 +106,8 @@ struct ExactWarp {
         v[i] = dot;
       }
       const float sum = WarpSumScatter(v, lane);
-      constexpr int kLanesPerLogit = 32 / kScatter;
-      if (lane % kLanesPerLogit == 0) scratch[c * kScatter + lane / kLanesPerLogit] = sum;
+      const int slot = WarpSumScatterSlot<kScatter>(lane);
+      if (slot >= 0) scratch[c * kScatter + slot] = sum;
     }
     __syncwarp();
 #pragma unroll

@@ -140,7 +140,7 @@ __device__ void CombineWarps(const MergeState<D> (&st)[2], float (*sm_a)[kWarps]
       float A = 0.0f;
 #pragma unroll
       for (int w = 0; w < kWarps; ++w) A = fmaf(wt[w], sm_a[set][w][d], A);
-      o[set][d] = A * inv;
+      o[set][d] = L > 0.0f ? A * inv : 0.0f;  // 0 for an empty set
     }
     lse2[set] = L > 0.0f ? M + FastLog2(L) : -INFINITY;
   }
@@ -201,11 +201,10 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   // B1 8K; volatile loads were slower too; a __threadfence_block() after
   // them keeps them first and saved ~0.2 us of this phase but nothing
   // measurable per call, so it is not used: H200 SASS and timelines,
-  // 2026-11-30, RESULTS run 20.) Offsets are in floats from
-  // a.partials (< 2^31: Prepare refuses
-  // larger batches). An empty partial (m = -inf) weighs 0 against its acc
-  // row, which the split kernel writes as zeros (CombineWarpStates), so
-  // 0·row adds nothing. (A B = 1 call waits on this kernel's instructions:
+  // 2026-11-30, RESULTS run 20.) Offsets are in floats from a.partials
+  // (< 2^31: Prepare refuses larger batches). An empty partial (m = -inf)
+  // weighs 0 against its acc row, which the split kernel writes as zeros
+  // (CombineWarpStates), so 0·row adds nothing. (A B = 1 call waits on this kernel's instructions:
   // the earlier loop of one 64-bit address computation per load took 2.3 us
   // after the wait at B1 8K on the H200, tests/bench/RESULTS.md run 19.)
   const float* const parts = a.partials;
@@ -288,9 +287,7 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   const float lse_h2 = lse2[0], lse_e2 = lse2[1];
   if (lse_h2 != -INFINITY) {
     // Warp w's kPerWarp (8) rows of R_V: every lane's share of each dot
-    // product, then one reduce-scatter (9 shuffles, not 8 chains of 5): lane
-    // l ends with row l / 4's sum.
-    static_assert(kPerWarp == 8, "lane l holds row l / 4");
+    // product, then one reduce-scatter (9 shuffles, not 8 chains of 5).
     float ov[EL], s[kPerWarp];
 #pragma unroll
     for (int e = 0; e < EL; ++e) ov[e] = o_set[0][lane + 32 * e];
@@ -301,7 +298,8 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
       for (int e = 0; e < EL; ++e) s[jj] = fmaf(ov[e], rr[jj][e], s[jj]);
     }
     const float sum = WarpSumScatter(s, lane);
-    if ((lane & 3) == 0) o_hist[warp * kPerWarp + (lane >> 2)] = sum;
+    const int slot = WarpSumScatterSlot<kPerWarp>(lane);
+    if (slot >= 0) o_hist[warp * kPerWarp + slot] = sum;
   } else {
     if (threadIdx.x < kSlice) o_hist[threadIdx.x] = 0.0f;
   }

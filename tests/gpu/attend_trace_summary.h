@@ -81,7 +81,7 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
     out[std::string(kernel_names[k]) + ".block_us"] = SpreadOf(block_run);
     if (k == kTraceSplit) {
       out["split.history_loop_us"] = SpreadOf(history_run);
-      out["split.exact_part_us"] = SpreadOf(exact_run);
+      out["split.exact_rest_us"] = SpreadOf(exact_run);
     }
   }
   return out;
@@ -103,7 +103,7 @@ inline void PrintTraceSummary(const std::vector<AttendTrace>& calls, const char*
       "prep.start",          "prep.rk_product",     "prep.stats",          "prep.end",
       "prep.block_us",       "split.start",         "split.waited",        "split.loop_done",
       "split.written",       "split.exact_step1",   "split.exact_done",    "split.end",
-      "split.block_us",      "split.history_loop_us", "split.exact_part_us", "merge.start",
+      "split.block_us",      "split.history_loop_us", "split.exact_rest_us",   "merge.start",
       "merge.waited",        "merge.warp0_added",   "merge.combined",      "merge.end",
       "merge.block_us"};
   for (const char* name : order) {
