@@ -77,6 +77,33 @@ __device__ __forceinline__ void Gather(T* dst, int n, Src src) {
   }
 }
 
+// The online-softmax combine of N states of one output dim (base-2 max m,
+// sum l, accumulator a; kUnitL: every l is 1, for normalized outputs whose
+// LSE is their m): the combined max M and sum L, and the normalized output
+// (0 when every state is empty, L = 0).
+struct Combined {
+  float M, L, o;
+  __device__ float Lse2() const { return L > 0.0f ? M + log2f(L) : -INFINITY; }
+};
+template <int N, bool kUnitL>
+__device__ __forceinline__ Combined CombineStates(const float (&m)[N], const float (&l)[N],
+                                                  const float (&acc)[N]) {
+  float M = -INFINITY;
+#pragma unroll
+  for (int r = 0; r < N; ++r) M = fmaxf(M, m[r]);
+  float L = 0.0f, A = 0.0f;
+  if (M != -INFINITY) {
+#pragma unroll
+    for (int r = 0; r < N; ++r) {
+      if (m[r] == -INFINITY) continue;
+      const float wt = exp2f(m[r] - M);
+      L += kUnitL ? wt : wt * l[r];
+      A += wt * acc[r];
+    }
+  }
+  return {M, L, L > 0.0f ? __fdividef(A, L) : 0.0f};
+}
+
 }  // namespace cluster
 
 template <int D, int NB>
@@ -262,10 +289,7 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
     auto seek = [&](int from) {
       for (e = from; e < nb; ++e) {
         blk = wu.exact[e];
-        const int per = (blk.tokens + W - 1) / W;
-        t = warp * per;
-        t1 = min(blk.tokens, t + per);
-        if (t < t1) return;
+        if (Ex::WarpTokens(blk.tokens, W, warp, t, t1)) return;
       }
     };
     typename Ex::Rows rows;
@@ -313,21 +337,9 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
         pl[r] = *cl.map_shared_rank(&part[set][g * D + g + hh], r);
         pa[r] = *cl.map_shared_rank(&part[set][hh * D + S * rank + j], r);
       }
-      float M = -INFINITY;
-#pragma unroll
-      for (int r = 0; r < NB; ++r) M = fmaxf(M, pm[r]);
-      float L = 0.0f, A = 0.0f;
-      if (M != -INFINITY) {
-#pragma unroll
-        for (int r = 0; r < NB; ++r) {
-          if (pm[r] == -INFINITY) continue;
-          const float wt = exp2f(pm[r] - M);
-          L += wt * pl[r];
-          A += wt * pa[r];
-        }
-      }
-      o_slice[set][hh][j] = L > 0.0f ? __fdividef(A, L) : 0.0f;
-      if (j == 0) lse2[set][hh] = L > 0.0f ? M + log2f(L) : -INFINITY;
+      const cluster::Combined c = cluster::CombineStates<NB, false>(pm, pl, pa);
+      o_slice[set][hh][j] = c.o;
+      if (j == 0) lse2[set][hh] = c.Lse2();
     }
   }
   const int K = a.clusters_per_head;
@@ -375,21 +387,10 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
           lk[k] = k < K ? __ldcg(res + g * D + hh) : -INFINITY;
           ok[k] = k < K ? __ldcg(res + hh * D + S * rank + j) : 0.0f;
         }
-        float M = -INFINITY;
-#pragma unroll
-        for (int k = 0; k < kMaxClustersPerHead; ++k) M = fmaxf(M, lk[k]);
-        float L = 0.0f, A = 0.0f;
-        if (M != -INFINITY) {
-#pragma unroll
-          for (int k = 0; k < kMaxClustersPerHead; ++k) {
-            if (lk[k] == -INFINITY) continue;
-            const float wt = exp2f(lk[k] - M);  // that cluster's normalized o has weight 2^lse
-            L += wt;
-            A += wt * ok[k];
-          }
-        }
-        o_slice[set][hh][j] = L > 0.0f ? __fdividef(A, L) : 0.0f;
-        if (j == 0) lse2[set][hh] = L > 0.0f ? M + log2f(L) : -INFINITY;
+        // A cluster's normalized o weighs 2^(its lse).
+        const cluster::Combined c = cluster::CombineStates<kMaxClustersPerHead, true>(lk, lk, ok);
+        o_slice[set][hh][j] = c.o;
+        if (j == 0) lse2[set][hh] = c.Lse2();
       }
     }
     cl.sync();  // every block's merged dims written

@@ -42,6 +42,15 @@ struct ExactWarp {
     return __uint_as_float(e % 2 == 0 ? x[e / 2] << 16 : x[e / 2] & 0xffff0000u);
   }
 
+  // This warp's tokens [t, t1) of a block of `tokens` split evenly over
+  // `warps` warps; false when it gets none.
+  __device__ static bool WarpTokens(int tokens, int warps, int warp, int& t, int& t1) {
+    const int per = (tokens + warps - 1) / warps;
+    t = warp * per;
+    t1 = min(tokens, t + per);
+    return t < t1;
+  }
+
   // The query rows of the kv head's g heads (qg[hh·D + d]) times `scale`
   // (scale·log2e for the raw queries: no prep-kernel output is needed, so an
   // exact unit need not wait for that kernel before its work), and zero state.

@@ -226,10 +226,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
               kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
           blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
         }
-        const int per = (blk.tokens + kWarps - 1) / kWarps;
-        t = warp * per;
-        t1 = min(blk.tokens, t + per);
-        if (t < t1) return;
+        if (Ex::WarpTokens(blk.tokens, kWarps, warp, t, t1)) return;
       }
     };
     // One step's rows at a time: two in flight (the next step's loads before
