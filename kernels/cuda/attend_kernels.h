@@ -1,5 +1,6 @@
 // Decode attention over the paged compressed cache on the GPU: the planner
-// and the three launches (query prep, split-KV attention, merge).
+// and the three launches (query prep, split-KV attention, merge), or variant
+// 11's one cluster kernel.
 //
 // Limits of this implementation (checked by Prepare, which answers
 // UNIMPLEMENTED outside them): at most 8 query heads per kv head, group size

@@ -6,9 +6,10 @@
 // kernel (or the cluster kernel) writes the outputs straight into mapped
 // pinned memory (no download copy).
 #include <algorithm>
-#include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <iterator>
+#include <numeric>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -250,8 +251,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     trace_blocks[cuda_attend::kTraceSplit] = size_t(num_work);
     trace_blocks[cuda_attend::kTraceMerge] = size_t(n) * b.num_q_heads * (D / 32);
   }
-  const size_t trace_words = (trace_blocks[0] + trace_blocks[1] + trace_blocks[2]) *
-                             cuda_attend::kTraceMarks;
+  const size_t trace_words =
+      std::accumulate(std::begin(trace_blocks), std::end(trace_blocks), size_t{0}) *
+      cuda_attend::kTraceMarks;
   const size_t off_trace = AlignUp(off_counts + counts_bytes);
   const size_t total = AlignUp(off_trace + trace_words * sizeof(unsigned long long));
 

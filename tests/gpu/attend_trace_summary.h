@@ -10,6 +10,7 @@
 #include <cstdio>
 #include <map>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels/cuda/attend_kernels.h"
@@ -33,6 +34,9 @@ inline Spread SpreadOf(std::vector<double> v) {
   s.last = v.back();
   return s;
 }
+
+// The median of v (the upper one of an even count; 0 when empty).
+inline double Median(std::vector<double> v) { return SpreadOf(std::move(v)).median; }
 
 // One call's figures, by name ("split.waited" etc.), each a Spread.
 inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
@@ -94,10 +98,6 @@ inline void PrintTraceSummary(const std::vector<AttendTrace>& calls, const char*
   for (const AttendTrace& t : calls) {
     for (const auto& [name, s] : TraceFigures(t)) all[name].push_back(s);
   }
-  auto median = [](std::vector<double> v) {
-    std::sort(v.begin(), v.end());
-    return v.empty() ? 0.0 : v[v.size() / 2];
-  };
   // Kernel order, then the marks in the order a block passes them.
   const char* order[] = {
       "prep.start",          "prep.rk_product",     "prep.stats",          "prep.end",
@@ -115,8 +115,8 @@ inline void PrintTraceSummary(const std::vector<AttendTrace>& calls, const char*
       m.push_back(s.median);
       l.push_back(s.last);
     }
-    std::printf("%s%-22s %7.2f / %7.2f / %7.2f us  (%zu blocks)\n", indent, name, median(f),
-                median(m), median(l), it->second[0].n);
+    std::printf("%s%-22s %7.2f / %7.2f / %7.2f us  (%zu blocks)\n", indent, name, Median(f),
+                Median(m), Median(l), it->second[0].n);
   }
 }
 

@@ -317,6 +317,13 @@ TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytesOverManyTilesPerBlock
   }
 }
 
+// The dim x dim identity, row-major (a rotation under which y = x exactly).
+std::vector<float> IdentityMatrix(int dim) {
+  std::vector<float> eye(size_t(dim) * dim, 0.0f);
+  for (int i = 0; i < dim; ++i) eye[size_t(i) * dim + i] = 1.0f;
+  return eye;
+}
+
 // Encodes `blocks` (`jobs` exact blocks of `geom`) with the identity rotation,
 // so y = x exactly on both backends, and the clip ratios ratios(j) = {K, V}
 // of job j, on the CPU and on the GPU with each kernel in `choices` (kAuto
@@ -329,8 +336,7 @@ void ExpectIdentityPagesEqualCpu(Backend& gpu, const PageGeometry& geom,
                                  const std::vector<EncodeKernelChoice>& choices) {
   const int dim = geom.head_dim;
   const size_t block_elems = geom.exact_block_bytes() / 2;
-  std::vector<float> eye(size_t(dim) * dim, 0.0f);
-  for (int i = 0; i < dim; ++i) eye[size_t(i) * dim + i] = 1.0f;
+  const std::vector<float> eye = IdentityMatrix(dim);
   auto blocks_dev = Upload(gpu, blocks);
   auto eye_dev = Upload(gpu, eye);
   ASSERT_TRUE(blocks_dev.ok() && eye_dev.ok());
@@ -467,8 +473,7 @@ TEST_F(CudaCodecTest, ACopyBatchAcrossRingLapsAndEncodesKeepsEveryCopyInOrder) {
   for (auto& v : blocks) v = FloatToBf16(static_cast<float>(small(rng)));
   std::vector<uint8_t> filler(size_t(3) << 20);
   for (auto& b : filler) b = static_cast<uint8_t>(rng());
-  std::vector<float> eye(size_t(dim) * dim, 0.0f);
-  for (int i = 0; i < dim; ++i) eye[size_t(i) * dim + i] = 1.0f;
+  const std::vector<float> eye = IdentityMatrix(dim);
   auto eye_dev = Upload(*gpu_, eye);
   auto blocks_dev = gpu_->Allocate(blocks.size() * 2);
   auto pages_dev = gpu_->Allocate(geom.page_bytes() * jobs);

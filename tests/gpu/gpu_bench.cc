@@ -68,10 +68,7 @@ namespace {
     }                                                                             \
   } while (0)
 
-double Median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  return v.empty() ? 0.0 : v[v.size() / 2];
-}
+using gputest::Median;
 
 // Median of the intervals between event pairs (ev[2i], ev[2i+1]), in
 // microseconds; destroys the events.
@@ -478,6 +475,7 @@ int Main(int argc, char** argv) {
     std::vector<float> outh(size_t(sets) * sh.batch * Hq * (D + 1),
                             std::numeric_limits<float>::quiet_NaN());
     std::vector<std::vector<AttendItem>> items(sets);
+    std::vector<AttendBatch> batches;  // set s: its items, once complete
     for (int s = 0; s < sets; ++s) {
       tables[s].resize(sh.batch);
       exacts[s].resize(sh.batch);
@@ -508,7 +506,8 @@ int Main(int argc, char** argv) {
       (*l)->set_variant(variant);
       (*l)->set_ablate(ablate);
       (*l)->set_fold_exact(cuda_attend::FoldExactFromNumber(fold_exact));
-      CKS((*l)->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
+      batches.push_back(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch});
+      CKS((*l)->Prepare(batches[s], stream));
       launchers.push_back(std::move(l).value());
     }
     CK(cudaStreamSynchronize(stream));
@@ -526,7 +525,7 @@ int Main(int argc, char** argv) {
       for (int st = 1; st <= 3; ++st) {
         for (int s = 0; s < sets; ++s) {
           launchers[s]->set_launch_stages(st);
-          CKS(launchers[s]->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
+          CKS(launchers[s]->Prepare(batches[s], stream));
         }
         CK(cudaStreamSynchronize(stream));
         if (st == 3) break;
@@ -572,7 +571,7 @@ int Main(int argc, char** argv) {
       std::vector<double> call;
       for (int i = 0; i < 30 + sets; ++i) {
         const auto a = std::chrono::steady_clock::now();
-        CKS(backend.Attend(AttendBatch{geom, Hq, scale, items[i % sets].data(), sh.batch}));
+        CKS(backend.Attend(batches[i % sets]));
         // After each set's first call (which uploads its named tables).
         if (i >= sets) call.push_back(since(a));
       }
@@ -581,13 +580,13 @@ int Main(int argc, char** argv) {
       // that the timed calls below see them on the device, as the
       // Backend::Attend calls above did after their first round.
       for (int s = 0; s < sets; ++s) {
-        CKS(launchers[s]->Prepare(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch}, stream));
+        CKS(launchers[s]->Prepare(batches[s], stream));
         CK(cudaStreamSynchronize(stream));
       }
       std::vector<double> t[4];
       for (int i = 0; i < 30; ++i) {
         AttendLauncher& L = *launchers[i % sets];
-        const AttendBatch batch{geom, Hq, scale, items[i % sets].data(), sh.batch};
+        const AttendBatch& batch = batches[i % sets];
         auto a = std::chrono::steady_clock::now();
         CKS(L.Prepare(batch, stream));
         t[0].push_back(since(a));
@@ -640,16 +639,14 @@ int Main(int argc, char** argv) {
                 bytes / 1e6, gbs, 100.0 * gbs / copy_gbs, sets,
                 bad ? "  NON-FINITE OUTPUT" : (nonzero == 0 ? "  ALL ZERO" : ""));
     const auto& sched = launchers[0]->schedule();
+    std::printf("%-13s   GPU side (calls queued): ours %.1f us, SDPA %.1f us, speedup %.2f; ", "",
+                gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0);
     if (sched.clusters_per_head > 0) {
-      std::printf("%-13s   GPU side (calls queued): ours %.1f us, SDPA %.1f us, speedup %.2f; "
-                  "one cluster kernel: %d blocks, %d clusters of %d per kv head\n",
-                  "", gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0,
+      std::printf("one cluster kernel: %d blocks, %d clusters of %d per kv head\n",
                   sched.history_units, sched.clusters_per_head, sched.cluster_blocks);
     } else {
-      std::printf("%-13s   GPU side (calls queued): ours %.1f us, SDPA %.1f us, speedup %.2f; "
-                  "units: %d exact + %d history (%d pages each), %d partials\n",
-                  "", gpu_us, sdpa_gpu, sdpa_gpu > 0 && gpu_us > 0 ? sdpa_gpu / gpu_us : 0.0,
-                  sched.exact_units, sched.history_units, sched.pages_per_unit, sched.partials);
+      std::printf("units: %d exact + %d history (%d pages each), %d partials\n", sched.exact_units,
+                  sched.history_units, sched.pages_per_unit, sched.partials);
     }
     for (const CallTimes* ct : {&unnamed, &named}) {
       const double* h = ct->host_us;
@@ -666,13 +663,7 @@ int Main(int argc, char** argv) {
                   "", stage_us[0], stage_us[1], gpu_us, stage_us[1] - stage_us[0],
                   gpu_us - stage_us[1]);
     }
-    if (trace_calls > 0) {
-      std::vector<AttendBatch> batches;
-      for (int s = 0; s < sets; ++s) {
-        batches.push_back(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch});
-      }
-      PrintCallTraces(launchers, batches, stream, trace_calls, trace_twice);
-    }
+    if (trace_calls > 0) PrintCallTraces(launchers, batches, stream, trace_calls, trace_twice);
     const auto& sc = launchers[0]->schedule();
     rows.push_back({{"shape", key}, {"variant", variant}, {"us", us}, {"graph_us", graph_us}, {"call_us", call_us},
                     {"call_named_tables_us", named.call_us},

@@ -116,12 +116,7 @@ TEST(Fault, CancelledPutLeavesNoSequenceAndNoPages) {
   ASSERT_TRUE((*stream)->Write(0, 0, 100, data.k_at(0, 0), data.v_at(0, 0)).ok());
   ASSERT_TRUE((*stream)->Write(1, 0, 50, data.k_at(1, 0), data.v_at(1, 0)).ok());
   // Wait until the server holds the partial stream's pages, then cancel.
-  WaitUntil(
-      [&] {
-        auto info = ts.client->Info();
-        return info.ok() && info->pool().free_bytes() != free0;
-      },
-      std::chrono::seconds(1));
+  WaitForFreeToChange(*ts.client, free0, std::chrono::seconds(1));
   EXPECT_LT(ts.client->Info()->pool().free_bytes(), free0);
   (*stream)->Cancel();
   EXPECT_EQ(WaitForFree(*ts.client, free0), free0);

@@ -175,6 +175,17 @@ inline int64_t WaitForFree(KvClient& client, int64_t want) {
   return got;
 }
 
+// Waits (up to `limit`) until the pool's free bytes differ from `from` (the
+// server holds a stream's pages); whether they did.
+inline bool WaitForFreeToChange(KvClient& client, int64_t from, std::chrono::milliseconds limit) {
+  return WaitUntil(
+      [&] {
+        auto info = client.Info();
+        return info.ok() && info->pool().free_bytes() != from;
+      },
+      limit);
+}
+
 // Seeded K/V [L][T][Hkv][D] in BF16 with a few large channels.
 struct KvData {
   ModelLayout layout;

@@ -35,12 +35,7 @@ TEST(IdleStream, StalledPutIsAbortedAndFreesItsSlotsAndId) {
   ASSERT_TRUE(stream.ok()) << stream.status();
   ASSERT_TRUE((*stream)->Write(0, 0, 60, data.k_at(0, 0), data.v_at(0, 0)).ok());
   // The server holds the partial layer; the client then sends nothing more.
-  WaitUntil(
-      [&] {
-        auto info = ts.client->Info();
-        return info.ok() && info->pool().free_bytes() != free0;
-      },
-      std::chrono::milliseconds(500));
+  WaitForFreeToChange(*ts.client, free0, std::chrono::milliseconds(500));
   EXPECT_LT(ts.client->Info()->pool().free_bytes(), free0);
   EXPECT_EQ(WaitForFree(*ts.client, free0), free0);
   EXPECT_EQ(ts.server->store().Stats().ingesting, 0);
