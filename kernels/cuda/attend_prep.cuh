@@ -38,11 +38,15 @@ __device__ __forceinline__ IntFragSlot IntFragSlotOf(int idx, bool paired) {
   const int n = (idx & 31) >> 2, t = idx >> 8;
   return {paired ? n >> 1 : n & 3, 2 * t + (paired ? n & 1 : (n >= 4 ? 1 : 0))};
 }
+// The weight 4^(3-kk) of code field kk in the integer digits' values.
+__device__ __forceinline__ float DigitFieldScale(int kk) {
+  return kk == 0 ? 64.0f : kk == 1 ? 16.0f : kk == 2 ? 4.0f : 1.0f;
+}
 // Word idx of the head whose scaled q' is qs (its digit scale inv).
 __device__ __forceinline__ uint32_t IntFragWord(int idx, int digit, const float* qs, float inv) {
   const int ln = idx & 31, rg = (idx >> 5) & 1, kk = (idx >> 6) & 3;
   const int c = ln & 3;
-  const float sc = inv * (kk == 0 ? 64.0f : kk == 1 ? 16.0f : kk == 2 ? 4.0f : 1.0f);
+  const float sc = inv * DigitFieldScale(kk);
   uint32_t packed = 0;
   for (int b = 0; b < 4; ++b) {
     float rest = qs[8 * c + 4 * rg + b + 32 * kk] * sc;
@@ -74,7 +78,7 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
     // kernel's longest warp (H200, 2026-11-30, tests/bench/RESULTS.md run 19).
     if (threadIdx.x < 32) {
       const int q = threadIdx.x, c = q & 3, rg = (q >> 2) & 1, kk = q >> 3;
-      const float sc = inv * (kk == 0 ? 64.0f : kk == 1 ? 16.0f : kk == 2 ? 4.0f : 1.0f);
+      const float sc = inv * DigitFieldScale(kk);
       uint32_t words[4] = {0u, 0u, 0u, 0u};
 #pragma unroll
       for (int b = 0; b < 4; ++b) {
