@@ -228,7 +228,7 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
 void FillClusterUnits(const AttendItem* items, int n, int H, int cluster, int clusters_per_head,
                       WorkUnit* work) {
   const int units = cluster * clusters_per_head;  // per (item, kv head)
-  std::vector<long> eb(units + 1);
+  std::vector<long> eb(units + 1), pb(units + 1);
   std::vector<double> want(units);
   int w = 0;
   for (int i = 0; i < n; ++i) {
@@ -241,21 +241,24 @@ void FillClusterUnits(const AttendItem* items, int n, int H, int cluster, int cl
       want[u] = std::max(0.0, target - double(kClusterExactPageCost * (eb[u + 1] - eb[u])));
       total_want += want[u];
     }
+    // Its pages [pb[u], pb[u + 1]), the same for every kv head.
+    double cum = 0;
+    pb[0] = 0;
+    for (int u = 0; u < units; ++u) {
+      cum += want[u];
+      long end = pages;  // the last unit takes the rest
+      if (u + 1 < units) {
+        end = total_want > 0 ? std::min(pages, std::lround(double(pages) * cum / total_want)) : 0;
+      }
+      pb[u + 1] = std::max(pb[u], end);
+    }
     for (int h = 0; h < H; ++h) {
-      double cum = 0;
-      long begin = 0;
       for (int u = 0; u < units; ++u) {
-        cum += want[u];
-        long end = pages;  // the last unit takes the rest
-        if (u + 1 < units) {
-          end = total_want > 0 ? std::min(pages, std::lround(double(pages) * cum / total_want)) : 0;
-        }
         WorkUnit& wu = work[w++] = UnitOf(i, h);
-        wu.begin = static_cast<int>(begin);
-        wu.end = static_cast<int>(std::max(begin, end));
+        wu.begin = static_cast<int>(pb[u]);
+        wu.end = static_cast<int>(pb[u + 1]);
         wu.exact_begin = static_cast<int>(eb[u]);
         wu.exact_end = static_cast<int>(eb[u + 1]);
-        begin = wu.end;
       }
     }
   }
