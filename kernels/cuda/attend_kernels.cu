@@ -4,6 +4,7 @@
 // Host planning lives in attend_launcher.cu.
 #include "kernels/cuda/attend_launch.h"
 
+#include <algorithm>
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
@@ -38,8 +39,11 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
 // per-warp ring of that many shared-memory stages filled by bulk copies
 // (attend_stage_ring.cuh; the block's dynamic shared memory is
 // StageRing::kBlockBytes) instead of the register double buffer.
+// kExactFirst: a unit with both parts (the plan folds the exact blocks onto
+// the history units, see FoldExact) runs its exact part before its pages,
+// while the prep kernel runs, instead of after them.
 template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
-          bool kInt = false, int kIntPv = 0, int kStages = 0>
+          bool kInt = false, int kIntPv = 0, int kStages = 0, bool kExactFirst = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
   using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv>,
@@ -61,7 +65,99 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   auto clear_warp_state = [&] { ClearWarpState<HG>(sm_m[warp], sm_l[warp], lane); };
   clear_warp_state();
   const bool has_history = wu.partial >= 0, has_exact = wu.exact_partial >= 0;
-  if (has_history && has_exact) PrefetchExactRowsL2<D>(a, wu);
+  // The exact part: the unit's exact blocks into its exact partial.
+  auto run_exact = [&] {
+    // Exact blocks [exact_begin, exact_end); each block's tokens split over
+    // the 4 warps, in steps of Ex::kTokensPerStep tokens. The block references
+    // are held one per lane (blocks [base, base + 32)); the first block's is
+    // also in the unit, so its rows need not wait for the lanes' loads (at
+    // B1 8K each exact unit has just that block). The exact part reads
+    // the raw queries, not the prep kernel's output, so an exact-only unit
+    // issues its loads before it waits for that kernel. A unit with a
+    // history part runs this after its pages (its rows prefetched into L2
+    // at its start), or with kExactFirst before them, without waiting for
+    // that kernel at all: then it overlaps the prep kernel instead of being
+    // a tail of several us on the call's critical path (B1 128K 40.3 ->
+    // 39.0 us, B8 32K 74.4 -> 71.0, B8 64K 120.9 -> 118.4; H200,
+    // 2026-11-30, tests/bench/RESULTS.md run 21).
+    using Ex = ExactWarp<D, HG>;
+    Ex ex;
+    const int nb = wu.exact_end - wu.exact_begin;
+    int base = 0;
+    auto fetch_ref = [&](int b0) {
+      ExactBlockRef r{nullptr, 0};
+      if (b0 + lane < nb) r = wu.exact[b0 + lane];
+      return r;
+    };
+    ExactBlockRef my_ref = fetch_ref(0);
+    ExactBlockRef blk{nullptr, 0};
+    int e = 0, t = 0, t1 = 0;
+    // Moves to the first block at or after `from` with tokens for this warp.
+    auto seek = [&](int from) {
+      for (e = from; e < nb; ++e) {
+        if (e >= base + 32) {
+          base += 32;
+          my_ref = fetch_ref(base);
+        }
+        if (e == 0) {
+          blk = wu.first_exact;  // without waiting for my_ref
+        } else {
+          blk.block = reinterpret_cast<const bf16_bits*>(__shfl_sync(
+              kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
+          blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
+        }
+        if (Ex::WarpTokens(blk.tokens, kWarps, warp, t, t1)) return;
+      }
+    };
+    // One step's rows at a time: two in flight (the next step's loads before
+    // this step's math) measured the same at B1 and B8 (H200, 2026-11-30,
+    // RESULTS run 20) and took more registers.
+    typename Ex::Rows rows;
+    seek(0);
+    if (e < nb) {
+      // The queries' loads first, then the rows', without waiting between.
+      ex.Init(a.queries + (size_t(wu.item) * a.hq + size_t(wu.kv_head) * a.g) * D, a.scale_log2,
+              a.g, lane);
+      Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+    }
+    if (!has_history) {
+      LaunchDependents();
+      // An exact-only unit needs nothing from the prep kernel, but it does
+      // its math only once that kernel is done: computing during the prep-to-
+      // split handoff (the rows of one block arrive by then) delayed the
+      // history units' wait by ~0.5 us and the call by 0.35 us at B1 32K and
+      // 64K (H200, 2026-11-30, RESULTS run 20). The wait also keeps "split
+      // done" implying "prep done" in a batch without history, where no other
+      // block waits: the next call reuses the prep kernel's buffers.
+      WaitForPrerequisites();
+    }
+    if (e < nb) {
+      float* const scratch = &sm_o[warp][0][0];  // free until Finish
+      ex.Step(a.g, rows, t, t1, lane, scratch);
+      Trace(trace, blockIdx.x, kTraceExactFirstStep);
+      while (true) {
+        t += Ex::kTokensPerStep;
+        if (t >= t1) seek(e + 1);
+        if (e >= nb) break;
+        Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+        ex.Step(a.g, rows, t, t1, lane, scratch);
+      }
+      ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
+    }
+    Trace(trace, blockIdx.x, kTraceExactDone);
+    WritePartial<D, HG>(a, wu.exact_partial, sm_o, sm_m, sm_l);
+  };
+  if constexpr (kExactFirst) {
+    if (has_exact) {
+      run_exact();
+      if (has_history) {
+        __syncthreads();  // every thread is done reading the exact partial's state
+        clear_warp_state();
+      }
+    }
+  } else if (has_history && has_exact) {
+    PrefetchExactRowsL2<D>(a, wu);
+  }
   if (has_history) {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (wu.end - wu.begin) * cpp;
@@ -187,85 +283,14 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
     Trace(trace, blockIdx.x, kTraceWritten);
   }
-  if (has_exact) {
-    if (has_history) {
-      __syncthreads();  // every thread is done reading the history partial's state
-      clear_warp_state();
-    }
-    // Exact blocks [exact_begin, exact_end); each block's tokens split over
-    // the 4 warps, in steps of Ex::kTokensPerStep tokens. The block references
-    // are held one per lane (blocks [base, base + 32)); the first block's is
-    // also in the unit, so its rows need not wait for the lanes' loads (at
-    // B1 8K each exact unit has just that block). The exact part reads
-    // the raw queries, not the prep kernel's output, so an exact-only unit
-    // issues its loads before it waits for that kernel (a unit with a
-    // history part has waited already, and prefetched these rows into L2).
-    using Ex = ExactWarp<D, HG>;
-    Ex ex;
-    const int nb = wu.exact_end - wu.exact_begin;
-    int base = 0;
-    auto fetch_ref = [&](int b0) {
-      ExactBlockRef r{nullptr, 0};
-      if (b0 + lane < nb) r = wu.exact[b0 + lane];
-      return r;
-    };
-    ExactBlockRef my_ref = fetch_ref(0);
-    ExactBlockRef blk{nullptr, 0};
-    int e = 0, t = 0, t1 = 0;
-    // Moves to the first block at or after `from` with tokens for this warp.
-    auto seek = [&](int from) {
-      for (e = from; e < nb; ++e) {
-        if (e >= base + 32) {
-          base += 32;
-          my_ref = fetch_ref(base);
-        }
-        if (e == 0) {
-          blk = wu.first_exact;  // without waiting for my_ref
-        } else {
-          blk.block = reinterpret_cast<const bf16_bits*>(__shfl_sync(
-              kFull, reinterpret_cast<unsigned long long>(my_ref.block), e - base));
-          blk.tokens = __shfl_sync(kFull, my_ref.tokens, e - base);
-        }
-        if (Ex::WarpTokens(blk.tokens, kWarps, warp, t, t1)) return;
+  if constexpr (!kExactFirst) {
+    if (has_exact) {
+      if (has_history) {
+        __syncthreads();  // every thread is done reading the history partial's state
+        clear_warp_state();
       }
-    };
-    // One step's rows at a time: two in flight (the next step's loads before
-    // this step's math) measured the same at B1 and B8 (H200, 2026-11-30,
-    // RESULTS run 20) and took more registers.
-    typename Ex::Rows rows;
-    seek(0);
-    if (e < nb) {
-      // The queries' loads first, then the rows', without waiting between.
-      ex.Init(a.queries + (size_t(wu.item) * a.hq + size_t(wu.kv_head) * a.g) * D, a.scale_log2,
-              a.g, lane);
-      Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+      run_exact();
     }
-    if (!has_history) {
-      LaunchDependents();
-      // An exact-only unit needs nothing from the prep kernel, but it does
-      // its math only once that kernel is done: computing during the prep-to-
-      // split handoff (the rows of one block arrive by then) delayed the
-      // history units' wait by ~0.5 us and the call by 0.35 us at B1 32K and
-      // 64K (H200, 2026-11-30, RESULTS run 20). The wait also keeps "split
-      // done" implying "prep done" in a batch without history, where no other
-      // block waits: the next call reuses the prep kernel's buffers.
-      WaitForPrerequisites();
-    }
-    if (e < nb) {
-      float* const scratch = &sm_o[warp][0][0];  // free until Finish
-      ex.Step(a.g, rows, t, t1, lane, scratch);
-      Trace(trace, blockIdx.x, kTraceExactFirstStep);
-      while (true) {
-        t += Ex::kTokensPerStep;
-        if (t >= t1) seek(e + 1);
-        if (e >= nb) break;
-        Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
-        ex.Step(a.g, rows, t, t1, lane, scratch);
-      }
-      ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
-    }
-    Trace(trace, blockIdx.x, kTraceExactDone);
-    WritePartial<D, HG>(a, wu.exact_partial, sm_o, sm_m, sm_l);
   }
   Trace(trace, blockIdx.x, kTraceEnd);
 }
@@ -307,8 +332,11 @@ inline bool UsesIntQk(int variant, int head_dim, bool g8) {
   return (variant >= 3 && variant <= kLastVariant) && head_dim == 128 && !g8;
 }
 
+// exact_first: the plan folds the exact blocks onto the history units; the
+// default variant then runs its exact-first kernel (the others run the
+// exact blocks after the pages).
 template <int D, int NG, bool G8>
-auto SplitKernelFor(int variant) {
+auto SplitKernelFor(int variant, bool exact_first) {
   if constexpr (D == 128 && NG == 1) {
     if (variant == 1) return &SplitKernel<D, NG, G8, 4, false>;
   }
@@ -316,7 +344,10 @@ auto SplitKernelFor(int variant) {
     // kInt is HistoryWarp's; HistoryWarpIntPv always runs q·K on integers.
     if (variant == 6) return &SplitKernel<D, NG, G8, 3, true, false, false, 3>;
     if (variant == 7) return &SplitKernel<D, NG, G8, 4, true, false, false, 3>;
-    if (variant == 8) return &SplitKernel<D, NG, G8, 3, true, false, false, 2>;
+    if (variant == 8) {
+      return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true>
+                         : &SplitKernel<D, NG, G8, 3, true, false, false, 2>;
+    }
     if (variant == 9) return &SplitKernel<D, NG, G8, 4, true, false, false, 2>;
     if (variant == 10) return &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages>;
   }
@@ -340,8 +371,8 @@ struct SplitLaunch {
   size_t dynamic_smem;
 };
 template <int D, int NG, bool G8>
-SplitLaunch SplitLaunchFor(int variant) {
-  SplitLaunch l{SplitKernelFor<D, NG, G8>(variant), 0};
+SplitLaunch SplitLaunchFor(int variant, bool exact_first) {
+  SplitLaunch l{SplitKernelFor<D, NG, G8>(variant, exact_first), 0};
   if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variant 10 runs on
     if (variant != 10) return l;
     using Ring = StageRing<D, NG, kRingStages>;
@@ -408,7 +439,7 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
   PrepKernel<D, G8><<<dim3(static_cast<unsigned>(heads)), PrepThreads(D), 0, stream>>>(a);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   if (s.stages >= 2 && s.num_work > 0) {
-    const SplitLaunch split = SplitLaunchFor<D, NG, G8>(s.variant);
+    const SplitLaunch split = SplitLaunchFor<D, NG, G8>(s.variant, s.exact_first);
     OSCARKV_RETURN_IF_ERROR(LaunchPdl(split.kernel, dim3(s.num_work), dim3(kThreads), stream, a,
                                       split.dynamic_smem));
   }
@@ -423,18 +454,24 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
 // Asked by AttendLauncher::Prepare once per kernel, on the launcher's device,
 // before any launch of that kernel there: a kernel with a stage ring first
 // gets its carveout set to favour shared memory (a per-device attribute).
+// The variant's kernels with the exact blocks after and before the pages
+// (the plan, sized by this answer, picks one): the fewer of the two.
 template <int D, int NG, bool G8>
 absl::StatusOr<int> BlocksPerSmTyped(const LaunchShape& s) {
-  int blocks = 0;
-  const SplitLaunch split = SplitLaunchFor<D, NG, G8>(s.variant);
-  if (split.dynamic_smem > 0) {
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
-        split.kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-        cudaSharedmemCarveoutMaxShared));
+  int fewest = 0;
+  for (const bool exact_first : {false, true}) {
+    const SplitLaunch split = SplitLaunchFor<D, NG, G8>(s.variant, exact_first);
+    if (split.dynamic_smem > 0) {
+      OSCARKV_CUDA_RETURN_IF_ERROR(cudaFuncSetAttribute(
+          split.kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+          cudaSharedmemCarveoutMaxShared));
+    }
+    int blocks = 0;
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+        &blocks, split.kernel, kThreads, split.dynamic_smem));
+    fewest = exact_first ? std::min(fewest, blocks) : blocks;
   }
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, split.kernel, kThreads, split.dynamic_smem));
-  return blocks;
+  return fewest;
 }
 
 // Clusters of `cluster_blocks` blocks of `threads` threads of the cluster

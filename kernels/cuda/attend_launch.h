@@ -23,6 +23,9 @@ struct LaunchShape {
   int variant = 0;  // split-kernel variant: set by AttendLauncher::Prepare (set_variant)
   int stages = 3;   // kernels enqueued: 1 = prep, 2 = + split, 3 = + merge (all)
   bool wide_merge = false;  // MergeBatch(head_dim, true): some kv head has many partials
+  // The plan folds the exact blocks onto the history units (UnitSizes::
+  // fold_exact): the default variant's split kernel then runs them first.
+  bool exact_first = false;
   // > 0: one cluster kernel (attend_cluster.cuh) with clusters of this many
   // blocks instead of the three kernels.
   int cluster_blocks = 0;

@@ -185,6 +185,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     }
     const long capacity = std::max<long>(1, long(known->second) * num_sms_);
     sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_);
+    shape.exact_first = sizes.fold_exact;
   }
   const long num_work = sizes.num_work();
   // The merge kernel addresses the partials with 32-bit float offsets.

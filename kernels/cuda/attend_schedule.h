@@ -52,13 +52,15 @@ inline FoldExact FoldExactFromNumber(int n) {
 }
 
 // History units at least this long (in pages) take the exact blocks along
-// under FoldExact::kAuto. (H200, 2026-11-29, one layer, 32 q / 8 kv heads,
-// 32-token pages, GPU side, folded vs exact units of their own: B8 64K 181.1
-// vs 192.0 us (408 pages per unit unfolded); B8 32K 109.1 vs 106.9 (203);
-// B1 128K 59.9 vs 57.1 (93); B1 32K 31.6 vs 26.3 (24). A folded unit runs
-// its exact block after its pages, a tail of several us on the critical
-// path, which pays only when the units are long.)
-inline constexpr long kFoldPagesPerUnit = 256;
+// under FoldExact::kAuto. A folded unit runs its exact blocks first, while
+// the prep kernel runs (see SplitKernel); the exact units it saves are slots
+// for history. (H200, 2026-11-30, one layer, 32 q / 8 kv heads, 32-token
+// pages, GPU side, folded vs exact units of their own, pages per unit
+// unfolded: B8 64K 119.2 vs 119.5 us (340); B8 32K 71.7 vs 74.6 (203); B1
+// 128K 39.3 vs 41.3 (93); B1 64K 27.6 vs 27.6 (47); B1 32K 21.9 vs 21.6
+// (26); B1 8K 17.0 vs 16.0 (7); tests/bench/RESULTS.md run 21. With the
+// exact blocks after the pages, folding paid only from ~256 pages.)
+inline constexpr long kFoldPagesPerUnit = 64;
 
 // Sizes the units so that they fit in one wave of `capacity` resident
 // blocks. Exact units (item, kv head, up to exact_per_unit blocks) take at

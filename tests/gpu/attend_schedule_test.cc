@@ -132,6 +132,7 @@ TEST(AttendSchedule, ExactUnitsGetMoreOfTheWaveWhenTheHistoryIsLight) {
     const AttendItem item = Item(c.pages, 10);
     const UnitSizes u = SizeAttendUnits(&item, 1, 8, 396);
     EXPECT_FALSE(u.fold_exact);
+    EXPECT_LT(u.pages_per_unit, kFoldPagesPerUnit);
     EXPECT_EQ(u.exact_per_unit, c.exact_per_unit);
     EXPECT_EQ(u.exact_units, c.exact_units);
     CheckPlan({{item}, 8, 396});
@@ -139,15 +140,19 @@ TEST(AttendSchedule, ExactUnitsGetMoreOfTheWaveWhenTheHistoryIsLight) {
 }
 
 TEST(AttendSchedule, LongHistoryUnitsTakeTheWholeWaveAndCarryTheExactBlocks) {
-  // B=1, 128K: 93 pages per unit, too short to carry the exact blocks by default.
+  // B=1, 128K: 93 pages per unit unfolded, long enough to carry the exact
+  // blocks by default (forced gives the same): no exact units of their own;
+  // 10 of the history units of each kv head take one exact block each.
   const AttendItem heavy = Item(4086, 10);
+  const UnitSizes unfolded = SizeAttendUnits(&heavy, 1, 8, 396, FoldExact::kNever);
+  EXPECT_FALSE(unfolded.fold_exact);
+  EXPECT_EQ(unfolded.exact_per_unit, 2);
+  EXPECT_LE(unfolded.exact_units, 396 / 8);
+  EXPECT_GE(unfolded.pages_per_unit, kFoldPagesPerUnit);
   const UnitSizes a = SizeAttendUnits(&heavy, 1, 8, 396);
-  EXPECT_FALSE(a.fold_exact);
-  EXPECT_EQ(a.exact_per_unit, 2);
-  EXPECT_LE(a.exact_units, 396 / 8);
-  // Forced: no exact units of their own; 10 of the history units of each kv
-  // head take one exact block each.
+  EXPECT_TRUE(a.fold_exact);
   const UnitSizes u = SizeAttendUnits(&heavy, 1, 8, 396, FoldExact::kAlways);
+  EXPECT_EQ(u.history_units, a.history_units);
   EXPECT_TRUE(u.fold_exact);
   EXPECT_EQ(u.exact_units, 0);
   EXPECT_LE(u.history_units, 396);
