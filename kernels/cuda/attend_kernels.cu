@@ -77,9 +77,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     // history part runs this after its pages (its rows prefetched into L2
     // at its start), or with kExactFirst before them, without waiting for
     // that kernel at all: then it overlaps the prep kernel instead of being
-    // a tail of several us on the call's critical path (B1 128K 40.3 ->
-    // 39.0 us, B8 32K 74.4 -> 71.0, B8 64K 120.9 -> 118.4; H200,
-    // 2026-11-30, tests/bench/RESULTS.md run 21).
+    // a tail of several us on the call's critical path (with folding from
+    // 64 pages per unit: B1 128K 40.3 -> 39.2 us, B8 32K 74.5 -> 71.2, B8
+    // 64K 121.4 -> 119.1; H200, 2026-11-30, tests/bench/RESULTS.md run 21).
     using Ex = ExactWarp<D, HG>;
     Ex ex;
     const int nb = wu.exact_end - wu.exact_begin;

@@ -106,7 +106,8 @@ class AttendLauncher {
   //   8 = 6 with P' in 16-bit fixed point of each chunk's exact max (relative
   //       L2 errors up to ~6e-5, single elements up to ~5e-4·(1 + |o|)): the
   //       default, 5-7 % faster than 6 at 64K-128K tokens and at B8, ~1 % at
-  //       8K-32K;
+  //       8K-32K; when the plan folds the exact blocks onto the history units
+  //       (set_fold_exact), its kernel runs them before the pages;
   //   9 = 8 held to 128 registers (4 blocks/SM, 16 bytes of spills): 2-4 %
   //       faster than 8 at B1 128K and B8 64K, 9 % slower at 8K and 16 %
   //       at B8 32K (2026-11-30, run 14); kept for measurement;

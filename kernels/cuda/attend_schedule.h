@@ -52,14 +52,16 @@ inline FoldExact FoldExactFromNumber(int n) {
 }
 
 // History units at least this long (in pages) take the exact blocks along
-// under FoldExact::kAuto. A folded unit runs its exact blocks first, while
-// the prep kernel runs (see SplitKernel); the exact units it saves are slots
-// for history. (H200, 2026-11-30, one layer, 32 q / 8 kv heads, 32-token
-// pages, GPU side, folded vs exact units of their own, pages per unit
-// unfolded: B8 64K 119.2 vs 119.5 us (340); B8 32K 71.7 vs 74.6 (203); B1
-// 128K 39.3 vs 41.3 (93); B1 64K 27.6 vs 27.6 (47); B1 32K 21.9 vs 21.6
+// under FoldExact::kAuto. A folded unit of the default variant runs its
+// exact blocks first, while the prep kernel runs (SplitKernel's
+// kExactFirst); the exact units it saves are slots for history. (H200, 2026-11-30, one layer, 32 q / 8 kv heads, 32-token
+// pages, GPU side, folded vs exact units of their own, by pages per unit
+// unfolded: B8 64K 118.4 vs 129.6 us (408); B8 32K 71.0 vs 73.3 (203); B1
+// 128K 39.0 vs 41.2 (93); B1 64K 27.6 vs 27.6 (47); B1 32K 21.9 vs 21.6
 // (26); B1 8K 17.0 vs 16.0 (7); tests/bench/RESULTS.md run 21. With the
-// exact blocks after the pages, folding paid only from ~256 pages.)
+// exact blocks after the pages, folding paid only from ~256 pages. A folded
+// unit still starts its pages a few us after the others at B = 1, which is
+// why folding loses below ~64 pages.)
 inline constexpr long kFoldPagesPerUnit = 64;
 
 // Sizes the units so that they fit in one wave of `capacity` resident
@@ -68,11 +70,12 @@ inline constexpr long kFoldPagesPerUnit = 64;
 // chains of dependent loads and the critical path), else capacity / 8;
 // history units (item, kv head, up to pages_per_unit pages) the rest. When
 // the exact blocks fold (see FoldExact), each (item, kv head)'s exact blocks
-// are spread over its first history units, which run them after their
-// pages, and only items without history keep exact units; the history units
-// take the rest of the wave, which is all of it when every item has history
-// (exact units of their own would sit idle once done, for most of a long
-// call: 16 % of the wave at B8 64K).
+// are spread over its first history units, which run them before their
+// pages (the default variant; the others after them), and only items
+// without history keep exact units; the history units take the rest of the
+// wave, which is all of it when every item has history (exact units of
+// their own would sit idle once done, for most of a long call: 16 % of the
+// wave at B8 64K).
 UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity,
                           FoldExact fold = FoldExact::kAuto);
 
