@@ -174,6 +174,24 @@ WorkUnit UnitOf(int item, int kv_head) {
 }
 }  // namespace
 
+std::vector<long> FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per,
+                                 bool fold) {
+  std::vector<long> pb(splits + 1);
+  for (int s = 0; s <= splits; ++s) pb[s] = std::min(pages, s * ppu);
+  if (!fold || splits <= 1) return pb;
+  // Unit s's pages plus kFoldedExactPageCost per exact block come out even:
+  // cut s sits at the even share of the weight before it, less its units'
+  // blocks' cost, with at least one page per unit.
+  const double share = double(pages + kFoldedExactPageCost * long(num_exact)) / splits;
+  long blocks = 0;  // exact blocks of units [0, s)
+  for (int s = 1; s < splits; ++s) {
+    blocks += std::clamp<long>(num_exact - long(s - 1) * per, 0, per);
+    const long cut = std::lround(share * s - double(kFoldedExactPageCost * blocks));
+    pb[s] = std::clamp(cut, pb[s - 1] + 1, pages - (splits - s));
+  }
+  return pb;
+}
+
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int H,
                      WorkUnit* work, ItemPlan* plans) {
   const long epu = sizes.exact_per_unit, ppu = sizes.pages_per_unit;
@@ -209,11 +227,12 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
       plans[i].exact_splits = esplits;
       partial += H * esplits;
     }
+    const std::vector<long> pb = FoldedPageCuts(it.num_pages, splits, ppu, it.num_exact, per, fold);
     for (int h = 0; h < H; ++h) {
       for (int s = 0; s < splits; ++s) {
         WorkUnit& u = work[w++] = UnitOf(i, h);
-        u.begin = static_cast<int>(s * ppu);
-        u.end = static_cast<int>(std::min<long>(it.num_pages, (s + 1) * ppu));
+        u.begin = static_cast<int>(pb[s]);
+        u.end = static_cast<int>(pb[s + 1]);
         u.partial = plans[i].hist_begin + h * splits + s;
         if (s < esplits) {
           u.exact_begin = s * per;

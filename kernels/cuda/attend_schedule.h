@@ -4,6 +4,8 @@
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_SCHEDULE_H_
 #define OSCARKV_KERNELS_CUDA_ATTEND_SCHEDULE_H_
 
+#include <vector>
+
 #include "absl/status/status.h"
 #include "kernels/backend.h"
 #include "kernels/cuda/attend_plan.h"
@@ -54,15 +56,15 @@ inline FoldExact FoldExactFromNumber(int n) {
 // History units at least this long (in pages) take the exact blocks along
 // under FoldExact::kAuto. A folded unit of the default variant runs its
 // exact blocks first, while the prep kernel runs (SplitKernel's
-// kExactFirst); the exact units it saves are slots for history. (H200, 2026-11-30, one layer, 32 q / 8 kv heads, 32-token
-// pages, GPU side, folded vs exact units of their own, by pages per unit
-// unfolded: B8 64K 118.4 vs 129.6 us (408); B8 32K 71.0 vs 73.3 (203); B1
-// 128K 39.0 vs 41.2 (93); B1 64K 27.6 vs 27.6 (47); B1 32K 21.9 vs 21.6
-// (26); B1 8K 17.0 vs 16.0 (7); tests/bench/RESULTS.md run 21. With the
-// exact blocks after the pages, folding paid only from ~256 pages. A folded
-// unit still starts its pages a few us after the others at B = 1, which is
-// why folding loses below ~64 pages.)
-inline constexpr long kFoldPagesPerUnit = 64;
+// kExactFirst), and takes fewer pages for them (kFoldedExactPageCost); the
+// exact units it saves are slots for history. (H200, 2026-11-30, one layer,
+// 32 q / 8 kv heads, 32-token pages, GPU side, folded vs exact units of their
+// own, by pages per unit unfolded: B8 64K 118.7 vs 129.6 us (408); B8 32K
+// 70.7 vs 73.3 (203); B1 128K 39.1 vs 41.2 (93); B1 64K 26.1 vs 26.7 (47);
+// B1 32K 19.9 vs 20.6 (26); B1 8K 15.5 vs 15.1 (7); tests/bench/RESULTS.md
+// run 21. With the exact blocks after the pages, folding paid only from
+// ~256 pages.)
+inline constexpr long kFoldPagesPerUnit = 16;
 
 // Sizes the units so that they fit in one wave of `capacity` resident
 // blocks. Exact units (item, kv head, up to exact_per_unit blocks) take at
@@ -90,6 +92,23 @@ inline int FoldedExactSplits(int num_exact, int hist_splits) {
   const int per = FoldedExactPerUnit(num_exact, hist_splits);
   return (num_exact + per - 1) / per;
 }
+
+// A folded exact block's weight against one history page in the split
+// kernel's plan: a unit carrying one starts its pages ~3.5 us after the
+// others at B = 1 (its exact part, then its page table and first chunks),
+// ~10 pages of its loop. (H200, 2026-11-30, folded plans, GPU side, cost
+// 5 / 10 / 16 pages against even cuts: B1 32K 20.5 / 19.9 / 19.9 against
+// 21.3 us, B1 64K 26.7 / 26.1 / 27.0 against 27.3, B8 32K 71.0 / 70.7 /
+// 72.1 against 71.7; tests/bench/RESULTS.md run 21.)
+inline constexpr long kFoldedExactPageCost = 10;
+
+// The page cuts [pb[s], pb[s + 1]) of an item's `splits` history units of a
+// kv head (the same for every head): `ppu` pages each, the last one the rest;
+// with its exact blocks folded (`per` on each of its first units, see
+// FoldedExactPerUnit), weighted so that pages + kFoldedExactPageCost x exact
+// blocks come out even over the units, at least one page each.
+std::vector<long> FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per,
+                                 bool fold);
 
 // Writes sizes.num_work() units into `work`: the exact units (item, then kv
 // head major), then the history units; sizes.partials partial indices, each

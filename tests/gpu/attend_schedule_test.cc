@@ -82,9 +82,22 @@ void CheckPlan(const Case& c) {
     if (has_history) {
       EXPECT_LT(w.begin, w.end);
       EXPECT_LE(w.end, it.num_pages);
-      EXPECT_LE(w.end - w.begin, sizes.pages_per_unit);
-      EXPECT_EQ(w.partial, p.hist_begin + w.kv_head * p.hist_splits +
-                               static_cast<int>(w.begin / sizes.pages_per_unit));
+      // Unit s of its (item, kv head): ppu pages each, or FoldedPageCuts'
+      // weighted cuts when the item's exact blocks ride along.
+      const int s = w.partial - p.hist_begin - w.kv_head * p.hist_splits;
+      ASSERT_GE(s, 0);
+      ASSERT_LT(s, p.hist_splits);
+      const bool folded = sizes.fold_exact && it.num_exact > 0;
+      if (!folded) {
+        EXPECT_LE(w.end - w.begin, sizes.pages_per_unit);
+        EXPECT_EQ(w.begin, s * sizes.pages_per_unit);
+      } else {
+        const std::vector<long> cuts =
+            FoldedPageCuts(it.num_pages, p.hist_splits, sizes.pages_per_unit, it.num_exact,
+                           FoldedExactPerUnit(it.num_exact, p.hist_splits), true);
+        EXPECT_EQ(w.begin, cuts[s]);
+        EXPECT_EQ(w.end, cuts[s + 1]);
+      }
       EXPECT_TRUE(seen_partials.insert(w.partial).second);
       for (int pg = w.begin; pg < w.end; ++pg) {
         EXPECT_TRUE(seen_pages.insert({w.item, w.kv_head, pg}).second);
@@ -117,24 +130,31 @@ TEST(AttendSchedule, CoversEveryPageAndBlockOnceForTheBenchmarkShapes) {
 }
 
 TEST(AttendSchedule, ExactUnitsGetMoreOfTheWaveWhenTheHistoryIsLight) {
-  // B=1 with 10 exact blocks per kv head. Light history (at most
-  // kLightPagesPerUnit pages per unit): one block per exact unit, since two
-  // would put the exact units on the critical path; longer history: the
-  // history units need the slots.
+  // B=1 with 10 exact blocks per kv head, exact units of their own. Light
+  // history (at most kLightPagesPerUnit pages per unit): one block per exact
+  // unit, since two would put the exact units on the critical path; longer
+  // history: the history units need the slots. By default (kAuto) only the
+  // shortest of these keeps exact units: from kFoldPagesPerUnit pages per
+  // unit the blocks ride on the history units.
   struct Case {
     int pages;  // per kv head
     long exact_per_unit, exact_units;
+    bool folds_by_default;
   };
-  for (const Case& c : {Case{246, 1, 80},     // 8K, ~5 pages per unit
-                        Case{1014, 1, 80},    // 32K, ~26
-                        Case{2038, 2, 40}}) {  // 64K, ~47
+  for (const Case& c : {Case{246, 1, 80, false},     // 8K, ~7 pages per unit
+                        Case{1014, 1, 80, true},     // 32K, ~26
+                        Case{2038, 2, 40, true}}) {  // 64K, ~47
     SCOPED_TRACE("pages " + std::to_string(c.pages));
     const AttendItem item = Item(c.pages, 10);
-    const UnitSizes u = SizeAttendUnits(&item, 1, 8, 396);
+    const UnitSizes u = SizeAttendUnits(&item, 1, 8, 396, FoldExact::kNever);
     EXPECT_FALSE(u.fold_exact);
-    EXPECT_LT(u.pages_per_unit, kFoldPagesPerUnit);
+    EXPECT_EQ(u.pages_per_unit >= kFoldPagesPerUnit, c.folds_by_default);
     EXPECT_EQ(u.exact_per_unit, c.exact_per_unit);
     EXPECT_EQ(u.exact_units, c.exact_units);
+    CheckPlan({{item}, 8, 396, FoldExact::kNever});
+    const UnitSizes by_default = SizeAttendUnits(&item, 1, 8, 396);
+    EXPECT_EQ(by_default.fold_exact, c.folds_by_default);
+    EXPECT_EQ(by_default.exact_units, c.folds_by_default ? 0 : c.exact_units);
     CheckPlan({{item}, 8, 396});
   }
 }
@@ -169,7 +189,7 @@ TEST(AttendSchedule, LongHistoryUnitsTakeTheWholeWaveAndCarryTheExactBlocks) {
   EXPECT_EQ(b.exact_units, 8 * 3);
   CheckPlan({batch, 8, 396});
   EXPECT_FALSE(SizeAttendUnits(batch.data(), 9, 8, 396, FoldExact::kNever).fold_exact);
-  // Light history folds only when forced.
+  // History this short (7 pages per unit) folds only when forced.
   const AttendItem light = Item(246, 10);
   EXPECT_FALSE(SizeAttendUnits(&light, 1, 8, 396).fold_exact);
   const UnitSizes f = SizeAttendUnits(&light, 1, 8, 396, FoldExact::kAlways);
@@ -179,6 +199,35 @@ TEST(AttendSchedule, LongHistoryUnitsTakeTheWholeWaveAndCarryTheExactBlocks) {
   EXPECT_EQ(FoldedExactSplits(10, 4), 4);  // 3 + 3 + 3 + 1
   EXPECT_EQ(FoldedExactSplits(9, 6), 5);   // 2 x 4 + 1
   EXPECT_EQ(FoldedExactSplits(0, 6), 0);
+}
+
+TEST(AttendSchedule, FoldedUnitsTakeFewerPagesForTheirExactBlocks) {
+  // B=1 32K folded: 1014 pages per kv head in 49 units of up to 21, 10 exact
+  // blocks on the first 10 units. Each unit's pages plus the blocks' cost
+  // come within a page of the even share; the cuts cover the pages in order.
+  const long pages = 1014, ppu = 21;
+  const int splits = 49, exact = 10, per = FoldedExactPerUnit(exact, splits);
+  const std::vector<long> cuts = FoldedPageCuts(pages, splits, ppu, exact, per, true);
+  ASSERT_EQ(cuts.size(), size_t(splits) + 1);
+  EXPECT_EQ(cuts.front(), 0);
+  EXPECT_EQ(cuts.back(), pages);
+  const double share = double(pages + kFoldedExactPageCost * exact) / splits;
+  for (int s = 0; s < splits; ++s) {
+    const long unit_pages = cuts[s + 1] - cuts[s], blocks = s < exact ? 1 : 0;
+    EXPECT_GE(unit_pages, 1);
+    EXPECT_NEAR(double(unit_pages + kFoldedExactPageCost * blocks), share, 1.0) << "unit " << s;
+  }
+  EXPECT_LT(cuts[1] - cuts[0], cuts[splits] - cuts[splits - 1]);
+  // Unfolded, or a single unit: ppu each, the last one the rest.
+  const std::vector<long> even = FoldedPageCuts(pages, splits, ppu, exact, per, false);
+  for (int s = 0; s < splits; ++s) EXPECT_EQ(even[s], s * ppu);
+  EXPECT_EQ(even.back(), pages);
+  EXPECT_EQ(FoldedPageCuts(5, 1, 5, 3, 3, true), (std::vector<long>{0, 5}));
+  // Blocks costing more than a unit's share: still one page per unit at least.
+  const std::vector<long> tight = FoldedPageCuts(6, 3, 2, 2, 1, true);
+  EXPECT_EQ(tight, (std::vector<long>{0, 1, 2, 6}));
+  CheckPlan({{Item(1014, 10)}, 8, 396, FoldExact::kAlways});
+  CheckPlan({{Item(7, 10), Item(1014, 3), Item(0, 2)}, 8, 396, FoldExact::kAlways});
 }
 
 TEST(AttendSchedule, HandlesEmptyItemsSinkOnlyItemsAndTinyCapacities) {

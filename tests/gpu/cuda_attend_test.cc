@@ -337,7 +337,7 @@ TEST(CudaAttendDefaults, LongPagesPeakyAttentionAndZeroValueRowsMatchReference) 
 
 // Exact blocks riding on the history units (forced with
 // OSCARKV_CUDA_ATTEND_FOLD=1: by default they do only from kFoldPagesPerUnit
-// pages per unit, far longer than a test can afford): batches with so much
+// pages per unit, ~20K tokens at B = 1 on an H200): batches with so much
 // history that the default schedule would not count it as light either
 // (> 16 x 396 (item, kv head, page) triples on an H200), next to items short
 // enough to have no history at all (those keep exact units of their own).
