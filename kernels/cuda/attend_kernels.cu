@@ -77,9 +77,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     // history part runs this after its pages (its rows prefetched into L2
     // at its start), or with kExactFirst before them, without waiting for
     // that kernel at all: then it overlaps the prep kernel instead of being
-    // a tail of several us on the call's critical path (with folding from
-    // 64 pages per unit: B1 128K 40.3 -> 39.2 us, B8 32K 74.5 -> 71.2, B8
-    // 64K 121.4 -> 119.1; H200, 2026-11-30, tests/bench/RESULTS.md run 21).
+    // a tail of several us on the call's critical path (commit 545fe5f,
+    // with folding from 64 pages per unit: B1 128K 40.3 -> 39.2 us, B8 32K
+    // 74.5 -> 71.2, B8 64K 121.4 -> 119.1; H200, 2026-11-30,
+    // tests/bench/RESULTS.md run 21).
     using Ex = ExactWarp<D, HG>;
     Ex ex;
     const int nb = wu.exact_end - wu.exact_begin;
@@ -334,7 +335,7 @@ inline bool UsesIntQk(int variant, int head_dim, bool g8) {
 
 // exact_first: the plan folds the exact blocks onto the history units; the
 // default variant then runs its exact-first kernel (the others run the
-// exact blocks after the pages).
+// exact blocks after the pages; HasExactFirstKernel says which).
 template <int D, int NG, bool G8>
 auto SplitKernelFor(int variant, bool exact_first) {
   if constexpr (D == 128 && NG == 1) {
@@ -362,6 +363,14 @@ auto SplitKernelFor(int variant, bool exact_first) {
   if (variant == 2 || variant == 4) return &SplitKernel<D, NG, G8, 3, false, true>;
   return &SplitKernel<D, NG, G8, 3, Cfg<D, NG, G8>::kPrefetch>;
 }
+
+}  // namespace
+
+bool HasExactFirstKernel(const LaunchShape& s) {
+  return s.variant == 8 && s.head_dim == 128 && s.groups == 1 && !s.g8;  // as SplitKernelFor
+}
+
+namespace {
 
 // The split kernel of `variant` for this shape and its dynamic shared
 // memory (the stage ring's, for variant 10 on its shape). The ring of 4
@@ -433,7 +442,11 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
   if (s.variant == AttendLauncher::kClusterVariant) {
     return absl::InternalError("variant 11 launched without its cluster plan");
   }
-  // One prep block per (item, query head).
+  // One prep block per (item, query head). A plain launch, not PDL: it
+  // starts after the previous call's merge and this call's uploads, so the
+  // split kernel's units (which start once every prep block is running) may
+  // read the queries and write partials before they wait for the prep
+  // kernel, as the exact parts do.
   const long heads = long(s.num_items) * s.hq;
   if (heads > 0x7fffffffL) return absl::InvalidArgumentError("attention batch too large");
   PrepKernel<D, G8><<<dim3(static_cast<unsigned>(heads)), PrepThreads(D), 0, stream>>>(a);

@@ -36,6 +36,11 @@ struct LaunchShape {
 absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& shape,
                              cudaStream_t stream);
 
+// Whether this shape's split kernel under shape.variant runs folded exact
+// blocks before the pages (the default variant at D 128, one group, at most
+// 4 query heads per kv head); SizeAttendUnits plans folding by it.
+bool HasExactFirstKernel(const LaunchShape& shape);
+
 // Resident blocks per multiprocessor of the split kernel for this shape.
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& shape);
 

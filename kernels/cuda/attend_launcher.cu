@@ -184,8 +184,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       known = split_blocks_per_sm_.emplace(kernel_key, blocks).first;
     }
     const long capacity = std::max<long>(1, long(known->second) * num_sms_);
-    sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_);
-    shape.exact_first = sizes.fold_exact;
+    const bool exact_first = cuda_attend::HasExactFirstKernel(shape);
+    sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first);
+    shape.exact_first = sizes.fold_exact && exact_first;
   }
   const long num_work = sizes.num_work();
   // The merge kernel addresses the partials with 32-bit float offsets.

@@ -150,18 +150,25 @@ UnitSizes SizeUnits(const AttendItem* items, int n, int H, long capacity, bool f
 
 }  // namespace
 
-UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity, FoldExact fold) {
+UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity, FoldExact fold,
+                          bool exact_first) {
+  UnitSizes sizes;
   switch (fold) {
     case FoldExact::kAlways:
-      return SizeUnits(items, n, H, capacity, true);
-    case FoldExact::kNever:
-      return SizeUnits(items, n, H, capacity, false);
-    case FoldExact::kAuto:
+      sizes = SizeUnits(items, n, H, capacity, true);
       break;
+    case FoldExact::kNever:
+      sizes = SizeUnits(items, n, H, capacity, false);
+      break;
+    case FoldExact::kAuto: {
+      sizes = SizeUnits(items, n, H, capacity, false);
+      const long from = exact_first ? kFoldPagesPerUnit : kFoldPagesPerUnitExactAfter;
+      if (sizes.pages_per_unit >= from) sizes = SizeUnits(items, n, H, capacity, true);
+      break;
+    }
   }
-  const UnitSizes unfolded = SizeUnits(items, n, H, capacity, false);
-  return unfolded.pages_per_unit >= kFoldPagesPerUnit ? SizeUnits(items, n, H, capacity, true)
-                                                      : unfolded;
+  sizes.exact_page_cost = sizes.fold_exact && exact_first ? kFoldedExactPageCost : 0;
+  return sizes;
 }
 
 namespace {
@@ -174,28 +181,31 @@ WorkUnit UnitOf(int item, int kv_head) {
 }
 }  // namespace
 
-std::vector<long> FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per,
-                                 bool fold) {
-  std::vector<long> pb(splits + 1);
+void FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per, long cost,
+                    std::vector<long>* cuts) {
+  std::vector<long>& pb = *cuts;
+  pb.resize(splits + 1);
   for (int s = 0; s <= splits; ++s) pb[s] = std::min(pages, s * ppu);
-  if (!fold || splits <= 1) return pb;
-  // Unit s's pages plus kFoldedExactPageCost per exact block come out even:
-  // cut s sits at the even share of the weight before it, less its units'
-  // blocks' cost, with at least one page per unit.
-  const double share = double(pages + kFoldedExactPageCost * long(num_exact)) / splits;
+  if (cost <= 0 || num_exact <= 0 || splits <= 1 || pages < splits) return;
+  // Unit s's pages plus `cost` per exact block come out even: cut s sits at
+  // the even share of the weight before it, less its units' blocks' cost,
+  // with at least one page per unit (pages >= splits: the clamp's bounds
+  // stay ordered).
+  const double share = double(pages + cost * long(num_exact)) / splits;
   long blocks = 0;  // exact blocks of units [0, s)
   for (int s = 1; s < splits; ++s) {
-    blocks += std::clamp<long>(num_exact - long(s - 1) * per, 0, per);
-    const long cut = std::lround(share * s - double(kFoldedExactPageCost * blocks));
+    const BlockRange r = FoldedExactBlocks(num_exact, per, s - 1);
+    blocks += r.end - r.begin;
+    const long cut = std::lround(share * s - double(cost * blocks));
     pb[s] = std::clamp(cut, pb[s - 1] + 1, pages - (splits - s));
   }
-  return pb;
 }
 
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int H,
                      WorkUnit* work, ItemPlan* plans) {
   const long epu = sizes.exact_per_unit, ppu = sizes.pages_per_unit;
   int partial = 0, w = 0;
+  std::vector<long> cuts;  // one item's page cuts at a time
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = items[i];
     plans[i].exact_begin = partial;
@@ -227,16 +237,18 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
       plans[i].exact_splits = esplits;
       partial += H * esplits;
     }
-    const std::vector<long> pb = FoldedPageCuts(it.num_pages, splits, ppu, it.num_exact, per, fold);
+    FoldedPageCuts(it.num_pages, splits, ppu, it.num_exact, per, fold ? sizes.exact_page_cost : 0,
+                   &cuts);
     for (int h = 0; h < H; ++h) {
       for (int s = 0; s < splits; ++s) {
         WorkUnit& u = work[w++] = UnitOf(i, h);
-        u.begin = static_cast<int>(pb[s]);
-        u.end = static_cast<int>(pb[s + 1]);
+        u.begin = static_cast<int>(cuts[s]);
+        u.end = static_cast<int>(cuts[s + 1]);
         u.partial = plans[i].hist_begin + h * splits + s;
-        if (s < esplits) {
-          u.exact_begin = s * per;
-          u.exact_end = std::min(it.num_exact, (s + 1) * per);
+        const BlockRange r = FoldedExactBlocks(it.num_exact, per, s);
+        if (r.begin < r.end) {
+          u.exact_begin = r.begin;
+          u.exact_end = r.end;
           u.exact_partial = plans[i].exact_begin + h * esplits + s;
         }
       }

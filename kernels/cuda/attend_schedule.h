@@ -4,6 +4,7 @@
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_SCHEDULE_H_
 #define OSCARKV_KERNELS_CUDA_ATTEND_SCHEDULE_H_
 
+#include <algorithm>
 #include <vector>
 
 #include "absl/status/status.h"
@@ -22,12 +23,18 @@ absl::Status CheckAttendBatch(const AttendBatch& batch);
 
 struct UnitSizes {
   long exact_per_unit = 1;  // sink / recent blocks per exact unit
-  long pages_per_unit = 1;  // history pages per history unit
+  // History pages per history unit: each of an item's units has this many
+  // (the last one the rest), unless folded units are cut by weight
+  // (exact_page_cost > 0, FoldedPageCuts); the count of units is the same.
+  long pages_per_unit = 1;
   long exact_units = 0;     // units with an exact part only
   long history_units = 0;   // units with a history part
   // The exact blocks of items with history ride on their history units
   // instead of taking exact units of their own (see FoldExact).
   bool fold_exact = false;
+  // > 0: a folded exact block counts as this many pages when an item's pages
+  // are cut over its units (kFoldedExactPageCost with an exact-first kernel).
+  long exact_page_cost = 0;
   long partials = 0;  // partial results the units write
   long num_work() const { return exact_units + history_units; }
 };
@@ -43,6 +50,7 @@ inline constexpr long kLightPagesPerUnit = 32;
 // Whether the exact blocks of items with history ride on their history units.
 enum class FoldExact {
   kAuto,    // when the history units would hold >= kFoldPagesPerUnit pages each
+            // (kFoldPagesPerUnitExactAfter without an exact-first kernel)
   kAlways,  // always (tests and benchmarks)
   kNever,   // exact units of their own at every length
 };
@@ -54,17 +62,26 @@ inline FoldExact FoldExactFromNumber(int n) {
 }
 
 // History units at least this long (in pages) take the exact blocks along
-// under FoldExact::kAuto. A folded unit of the default variant runs its
-// exact blocks first, while the prep kernel runs (SplitKernel's
-// kExactFirst), and takes fewer pages for them (kFoldedExactPageCost); the
+// under FoldExact::kAuto when the split kernel runs them first (its
+// exact-first kernel: the default variant at D 128, one group, g <= 4, see
+// HasExactFirstKernel): a folded unit runs its exact blocks while the prep
+// kernel runs and takes fewer pages for them (kFoldedExactPageCost); the
 // exact units it saves are slots for history. (H200, 2026-11-30, one layer,
 // 32 q / 8 kv heads, 32-token pages, GPU side, folded vs exact units of their
-// own, by pages per unit unfolded: B8 64K 118.7 vs 129.6 us (408); B8 32K
-// 70.7 vs 73.3 (203); B1 128K 39.1 vs 41.2 (93); B1 64K 26.1 vs 26.7 (47);
-// B1 32K 19.9 vs 20.6 (26); B1 8K 15.5 vs 15.1 (7); tests/bench/RESULTS.md
-// run 21. With the exact blocks after the pages, folding paid only from
-// ~256 pages.)
+// own, by pages per unit unfolded, each pair from one call of
+// tests/bench/RESULTS.md run 21: B1 32K 19.9 vs 20.6 us (26), B1 64K 26.1
+// vs 26.7 (47), B1 8K 15.5 vs 15.1 (7), all with these cuts (call 7); B8
+// 64K 118.4 vs 129.6 (408), B8 32K 71.0 vs 73.3 (203), B1 128K 39.0 vs
+// 41.2 (93), with even cuts and the exact part first in every unit, 0.3-0.7
+// us slower than the kept kernels when unfolded (call 3).)
 inline constexpr long kFoldPagesPerUnit = 16;
+
+// The same with the exact blocks after the pages (the other kernels): there
+// they are a tail of several us on the critical path, which pays only when
+// the units are long. (H200, 2026-11-29, folded vs exact units of their own:
+// B8 64K 181.1 vs 192.0 us (408 pages per unit unfolded); B8 32K 109.1 vs
+// 106.9 (203); B1 128K 59.9 vs 57.1 (93); B1 32K 31.6 vs 26.3 (24).)
+inline constexpr long kFoldPagesPerUnitExactAfter = 256;
 
 // Sizes the units so that they fit in one wave of `capacity` resident
 // blocks. Exact units (item, kv head, up to exact_per_unit blocks) take at
@@ -78,8 +95,11 @@ inline constexpr long kFoldPagesPerUnit = 16;
 // wave, which is all of it when every item has history (exact units of
 // their own would sit idle once done, for most of a long call: 16 % of the
 // wave at B8 64K).
+// exact_first: the split kernel of this batch's shape runs folded exact
+// blocks before the pages (kFoldPagesPerUnit, weighted cuts) or after them
+// (kFoldPagesPerUnitExactAfter, even cuts).
 UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity,
-                          FoldExact fold = FoldExact::kAuto);
+                          FoldExact fold = FoldExact::kAuto, bool exact_first = true);
 
 // An item whose exact blocks ride on its `hist_splits` history units: each
 // of its first units takes ceil(E / hist_splits) blocks (FoldedExactPerUnit),
@@ -102,13 +122,25 @@ inline int FoldedExactSplits(int num_exact, int hist_splits) {
 // 72.1 against 71.7; tests/bench/RESULTS.md run 21.)
 inline constexpr long kFoldedExactPageCost = 10;
 
-// The page cuts [pb[s], pb[s + 1]) of an item's `splits` history units of a
-// kv head (the same for every head): `ppu` pages each, the last one the rest;
-// with its exact blocks folded (`per` on each of its first units, see
-// FoldedExactPerUnit), weighted so that pages + kFoldedExactPageCost x exact
-// blocks come out even over the units, at least one page each.
-std::vector<long> FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per,
-                                 bool fold);
+// The exact blocks [begin, end) that unit s of an item's history units
+// carries when they are folded, `per` on each of its first units
+// (FoldedExactPerUnit); empty past them, and for per = 0.
+struct BlockRange {
+  int begin, end;
+};
+inline BlockRange FoldedExactBlocks(int num_exact, int per, int s) {
+  const long begin = std::min<long>(num_exact, long(s) * per);
+  return {static_cast<int>(begin), static_cast<int>(std::min<long>(num_exact, begin + per))};
+}
+
+// The page cuts (*cuts)[s], [s + 1] of an item's `splits` history units of a
+// kv head (the same for every head), splits = ceil(pages / ppu): `ppu` pages
+// each, the last one the rest; with `cost` > 0 and its exact blocks folded
+// (`per` on each of its first units, FoldedExactBlocks), weighted so that
+// pages + cost x exact blocks come out even over the units, at least one
+// page each.
+void FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per, long cost,
+                    std::vector<long>* cuts);
 
 // Writes sizes.num_work() units into `work`: the exact units (item, then kv
 // head major), then the history units; sizes.partials partial indices, each

@@ -22,11 +22,15 @@ struct Case {
   int kv_heads;
   long capacity;
   FoldExact fold = FoldExact::kAuto;
+  bool exact_first = true;  // the shape's split kernel runs folded blocks first
 };
 
 void CheckPlan(const Case& c) {
   const int n = static_cast<int>(c.items.size()), H = c.kv_heads;
-  const UnitSizes sizes = SizeAttendUnits(c.items.data(), n, H, c.capacity, c.fold);
+  const UnitSizes sizes =
+      SizeAttendUnits(c.items.data(), n, H, c.capacity, c.fold, c.exact_first);
+  EXPECT_EQ(sizes.exact_page_cost,
+            sizes.fold_exact && c.exact_first ? kFoldedExactPageCost : 0);
   std::vector<WorkUnit> work(sizes.num_work());
   std::vector<ItemPlan> plans(n);
   FillAttendUnits(sizes, c.items.data(), n, H, work.data(), plans.data());
@@ -87,14 +91,15 @@ void CheckPlan(const Case& c) {
       const int s = w.partial - p.hist_begin - w.kv_head * p.hist_splits;
       ASSERT_GE(s, 0);
       ASSERT_LT(s, p.hist_splits);
-      const bool folded = sizes.fold_exact && it.num_exact > 0;
-      if (!folded) {
+      const bool weighted = sizes.fold_exact && it.num_exact > 0 && sizes.exact_page_cost > 0;
+      if (!weighted) {
         EXPECT_LE(w.end - w.begin, sizes.pages_per_unit);
         EXPECT_EQ(w.begin, s * sizes.pages_per_unit);
       } else {
-        const std::vector<long> cuts =
-            FoldedPageCuts(it.num_pages, p.hist_splits, sizes.pages_per_unit, it.num_exact,
-                           FoldedExactPerUnit(it.num_exact, p.hist_splits), true);
+        std::vector<long> cuts;
+        FoldedPageCuts(it.num_pages, p.hist_splits, sizes.pages_per_unit, it.num_exact,
+                       FoldedExactPerUnit(it.num_exact, p.hist_splits), sizes.exact_page_cost,
+                       &cuts);
         EXPECT_EQ(w.begin, cuts[s]);
         EXPECT_EQ(w.end, cuts[s + 1]);
       }
@@ -205,29 +210,52 @@ TEST(AttendSchedule, FoldedUnitsTakeFewerPagesForTheirExactBlocks) {
   // B=1 32K folded: 1014 pages per kv head in 49 units of up to 21, 10 exact
   // blocks on the first 10 units. Each unit's pages plus the blocks' cost
   // come within a page of the even share; the cuts cover the pages in order.
-  const long pages = 1014, ppu = 21;
+  const long pages = 1014, ppu = 21, cost = kFoldedExactPageCost;
   const int splits = 49, exact = 10, per = FoldedExactPerUnit(exact, splits);
-  const std::vector<long> cuts = FoldedPageCuts(pages, splits, ppu, exact, per, true);
+  std::vector<long> cuts;
+  FoldedPageCuts(pages, splits, ppu, exact, per, cost, &cuts);
   ASSERT_EQ(cuts.size(), size_t(splits) + 1);
   EXPECT_EQ(cuts.front(), 0);
   EXPECT_EQ(cuts.back(), pages);
-  const double share = double(pages + kFoldedExactPageCost * exact) / splits;
+  const double share = double(pages + cost * exact) / splits;
   for (int s = 0; s < splits; ++s) {
     const long unit_pages = cuts[s + 1] - cuts[s], blocks = s < exact ? 1 : 0;
     EXPECT_GE(unit_pages, 1);
-    EXPECT_NEAR(double(unit_pages + kFoldedExactPageCost * blocks), share, 1.0) << "unit " << s;
+    EXPECT_NEAR(double(unit_pages + cost * blocks), share, 1.0) << "unit " << s;
   }
   EXPECT_LT(cuts[1] - cuts[0], cuts[splits] - cuts[splits - 1]);
-  // Unfolded, or a single unit: ppu each, the last one the rest.
-  const std::vector<long> even = FoldedPageCuts(pages, splits, ppu, exact, per, false);
-  for (int s = 0; s < splits; ++s) EXPECT_EQ(even[s], s * ppu);
-  EXPECT_EQ(even.back(), pages);
-  EXPECT_EQ(FoldedPageCuts(5, 1, 5, 3, 3, true), (std::vector<long>{0, 5}));
+  // No cost (or no blocks, or a single unit): ppu each, the last one the rest.
+  FoldedPageCuts(pages, splits, ppu, exact, per, 0, &cuts);
+  for (int s = 0; s < splits; ++s) EXPECT_EQ(cuts[s], s * ppu);
+  EXPECT_EQ(cuts.back(), pages);
+  FoldedPageCuts(5, 1, 5, 3, 3, cost, &cuts);
+  EXPECT_EQ(cuts, (std::vector<long>{0, 5}));
   // Blocks costing more than a unit's share: still one page per unit at least.
-  const std::vector<long> tight = FoldedPageCuts(6, 3, 2, 2, 1, true);
-  EXPECT_EQ(tight, (std::vector<long>{0, 1, 2, 6}));
+  FoldedPageCuts(6, 3, 2, 2, 1, cost, &cuts);
+  EXPECT_EQ(cuts, (std::vector<long>{0, 1, 2, 6}));
+  // The blocks of each unit, 3 per unit over 10: 3, 3, 3, 1, then none.
+  EXPECT_EQ(FoldedExactBlocks(10, 3, 3).begin, 9);
+  EXPECT_EQ(FoldedExactBlocks(10, 3, 3).end, 10);
+  EXPECT_EQ(FoldedExactBlocks(10, 3, 4).begin, FoldedExactBlocks(10, 3, 4).end);
+  EXPECT_EQ(FoldedExactBlocks(10, 0, 0).begin, FoldedExactBlocks(10, 0, 0).end);
   CheckPlan({{Item(1014, 10)}, 8, 396, FoldExact::kAlways});
   CheckPlan({{Item(7, 10), Item(1014, 3), Item(0, 2)}, 8, 396, FoldExact::kAlways});
+}
+
+TEST(AttendSchedule, ShapesWithoutAnExactFirstKernelFoldOnlyLongUnitsAndCutThemEvenly) {
+  // Their folded blocks run after the pages: from kFoldPagesPerUnitExactAfter
+  // pages per unit, with even cuts. B=1 32K and 128K keep exact units; B=8
+  // 64K folds.
+  const AttendItem b1_32k = Item(1014, 10), b1_128k = Item(4086, 10);
+  EXPECT_TRUE(SizeAttendUnits(&b1_32k, 1, 8, 396).fold_exact);
+  EXPECT_FALSE(SizeAttendUnits(&b1_32k, 1, 8, 396, FoldExact::kAuto, false).fold_exact);
+  EXPECT_FALSE(SizeAttendUnits(&b1_128k, 1, 8, 396, FoldExact::kAuto, false).fold_exact);
+  const std::vector<AttendItem> b8_64k(8, Item(2038, 10));
+  const UnitSizes b8 = SizeAttendUnits(b8_64k.data(), 8, 8, 396, FoldExact::kAuto, false);
+  EXPECT_TRUE(b8.fold_exact);
+  EXPECT_EQ(b8.exact_page_cost, 0);
+  CheckPlan({b8_64k, 8, 396, FoldExact::kAuto, false});
+  CheckPlan({{Item(1014, 10)}, 8, 396, FoldExact::kAlways, false});
 }
 
 TEST(AttendSchedule, HandlesEmptyItemsSinkOnlyItemsAndTinyCapacities) {

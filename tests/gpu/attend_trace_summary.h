@@ -98,7 +98,9 @@ inline void PrintTraceSummary(const std::vector<AttendTrace>& calls, const char*
   for (const AttendTrace& t : calls) {
     for (const auto& [name, s] : TraceFigures(t)) all[name].push_back(s);
   }
-  // Kernel order, then the marks in the order a block passes them.
+  // Kernel order, then the marks in the order a block with only a history
+  // part, or only an exact part, passes them (a unit with both passes its
+  // exact marks first under the exact-first kernel, last otherwise).
   const char* order[] = {
       "prep.start",          "prep.rk_product",     "prep.stats",          "prep.end",
       "prep.block_us",       "split.start",         "split.waited",        "split.loop_done",
