@@ -64,6 +64,12 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   // This warp's (m, l) of every head: "no tokens", for warps that get none.
   auto clear_warp_state = [&] { ClearWarpState<HG>(sm_m[warp], sm_l[warp], lane); };
   clear_warp_state();
+  // Between a unit's two parts: every thread is done reading the first
+  // part's state (its partial is written), then the second starts empty.
+  auto next_part = [&] {
+    __syncthreads();
+    clear_warp_state();
+  };
   const bool has_history = wu.partial >= 0, has_exact = wu.exact_partial >= 0;
   // The exact part: the unit's exact blocks into its exact partial.
   auto run_exact = [&] {
@@ -151,10 +157,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   if constexpr (kExactFirst) {
     if (has_exact) {
       run_exact();
-      if (has_history) {
-        __syncthreads();  // every thread is done reading the exact partial's state
-        clear_warp_state();
-      }
+      if (has_history) next_part();
     }
   } else if (has_history && has_exact) {
     PrefetchExactRowsL2<D>(a, wu);
@@ -286,10 +289,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   }
   if constexpr (!kExactFirst) {
     if (has_exact) {
-      if (has_history) {
-        __syncthreads();  // every thread is done reading the history partial's state
-        clear_warp_state();
-      }
+      if (has_history) next_part();
       run_exact();
     }
   }
@@ -335,7 +335,7 @@ inline bool UsesIntQk(int variant, int head_dim, bool g8) {
 
 // exact_first: the plan folds the exact blocks onto the history units; the
 // default variant then runs its exact-first kernel (the others run the
-// exact blocks after the pages; HasExactFirstKernel says which).
+// exact blocks after the pages; HasExactFirstKernel asks this function).
 template <int D, int NG, bool G8>
 auto SplitKernelFor(int variant, bool exact_first) {
   if constexpr (D == 128 && NG == 1) {
@@ -363,14 +363,6 @@ auto SplitKernelFor(int variant, bool exact_first) {
   if (variant == 2 || variant == 4) return &SplitKernel<D, NG, G8, 3, false, true>;
   return &SplitKernel<D, NG, G8, 3, Cfg<D, NG, G8>::kPrefetch>;
 }
-
-}  // namespace
-
-bool HasExactFirstKernel(const LaunchShape& s) {
-  return s.variant == 8 && s.head_dim == 128 && s.groups == 1 && !s.g8;  // as SplitKernelFor
-}
-
-namespace {
 
 // The split kernel of `variant` for this shape and its dynamic shared
 // memory (the stage ring's, for variant 10 on its shape). The ring of 4
@@ -503,6 +495,13 @@ absl::StatusOr<int> ClusterKernelCapacity(int threads, int cluster_blocks) {
   return clusters;
 }
 
+// Whether the variant's split kernel for this shape with the exact blocks
+// first is another kernel than the one with them after the pages.
+template <int D, int NG, bool G8>
+absl::StatusOr<bool> ExactFirstTyped(const LaunchShape& s) {
+  return SplitKernelFor<D, NG, G8>(s.variant, true) != SplitKernelFor<D, NG, G8>(s.variant, false);
+}
+
 // Asked by AttendLauncher::Prepare once per cluster size, on the launcher's
 // device: how many clusters of the cluster kernel fit at once (0: this shape
 // has no cluster kernel, or no kernel of that size).
@@ -549,6 +548,10 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& s, cudaS
 }
 
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(BlocksPerSmTyped, s) }
+
+absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& s) {
+  OSCARKV_DISPATCH(ExactFirstTyped, s)
+}
 
 absl::StatusOr<int> ClusterCapacity(const LaunchShape& s) { OSCARKV_DISPATCH(ClusterCapacityTyped, s) }
 

@@ -38,8 +38,9 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& shape,
 
 // Whether this shape's split kernel under shape.variant runs folded exact
 // blocks before the pages (the default variant at D 128, one group, at most
-// 4 query heads per kv head); SizeAttendUnits plans folding by it.
-bool HasExactFirstKernel(const LaunchShape& shape);
+// 4 query heads per kv head): the launcher's kernel choice itself, asked
+// without the device. SizeAttendUnits plans folding by it.
+absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& shape);
 
 // Resident blocks per multiprocessor of the split kernel for this shape.
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& shape);

@@ -184,7 +184,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       known = split_blocks_per_sm_.emplace(kernel_key, blocks).first;
     }
     const long capacity = std::max<long>(1, long(known->second) * num_sms_);
-    const bool exact_first = cuda_attend::HasExactFirstKernel(shape);
+    OSCARKV_ASSIGN_OR_RETURN(const bool exact_first, cuda_attend::HasExactFirstKernel(shape));
     sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first);
     shape.exact_first = sizes.fold_exact && exact_first;
   }
@@ -242,8 +242,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
   const size_t off_part =
       AlignUp(off_qmeta + size_t(n) * b.num_q_heads * cuda_attend::kQueryMetaFloats * 4);
-  const size_t off_counts =
-      AlignUp(off_part + size_t(sizes.partials) * cuda_attend::PartialFloats(g, D) * 4);
+  const size_t off_counts = AlignUp(off_part + size_t(partial_floats) * 4);
   const size_t counts_bytes =
       shape.cluster_blocks > 0 && clusters_per_head > 1 ? sizeof(unsigned) * n * H : 0;
   // set_trace: one row per block of each kernel (none for the cluster kernel).

@@ -201,12 +201,12 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   // B1 8K; volatile loads were slower too; a __threadfence_block() after
   // them keeps them first and saved ~0.2 us of this phase but nothing
   // measurable per call, so it is not used: H200 SASS and timelines,
-  // 2026-11-30, RESULTS run 20.) Offsets are in floats from a.partials
-  // (< 2^31: Prepare refuses larger batches). An empty partial (m = -inf)
-  // weighs 0 against its acc row, which the split kernel writes as zeros
-  // (CombineWarpStates), so 0·row adds nothing. (A B = 1 call waits on this kernel's instructions:
-  // the earlier loop of one 64-bit address computation per load took 2.3 us
-  // after the wait at B1 8K on the H200, tests/bench/RESULTS.md run 19.)
+  // 2026-11-30, RESULTS run 20.) Offsets are 32-bit, in floats from
+  // a.partials (< 2^31: Prepare refuses larger batches): the earlier loop
+  // of one 64-bit address computation per load took 2.3 us after the wait
+  // at B1 8K (run 19). An empty partial (m = -inf) weighs 0 against its acc
+  // row, which the split kernel writes as zeros (CombineWarpStates), so
+  // 0·row adds nothing.
   const float* const parts = a.partials;
   const int pf = static_cast<int>(PartialFloats(g, D));
   const int m_off = g * D + hh, l_off = g * D + g + hh, a_off = hh * D + lane;

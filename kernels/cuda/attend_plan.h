@@ -39,8 +39,10 @@ struct ItemPlan {
 // A unit has a history part (pages [begin, end) of one kv head, written to
 // partial `partial`) and / or an exact part (exact blocks [exact_begin,
 // exact_end), written to partial `exact_partial`); a partial index < 0 means
-// the unit has no such part. A unit with both runs the history first. (The
-// cluster kernel's units leave both indices at -1 and read the ranges.)
+// the unit has no such part. A unit with both runs the history first, or
+// the exact part first in the default variant's exact-first kernel
+// (SplitKernel's kExactFirst). (The cluster kernel's units leave both
+// indices at -1 and read the ranges.)
 struct WorkUnit {
   int item = 0;
   int kv_head = 0;

@@ -161,29 +161,32 @@ inline std::string Scrape(OscarkvServer& server) {
   return out.str();
 }
 
-// Waits (up to 5 s) until the pool's free bytes equal `want` (a stream's
-// cleanup runs when the server notices its end) and returns the last seen.
-inline int64_t WaitForFree(KvClient& client, int64_t want) {
+// Polls the pool's free bytes (up to `limit`) until done(free bytes); the
+// last value seen (-1: none).
+template <class Done>
+int64_t PollFree(KvClient& client, Done done, std::chrono::milliseconds limit) {
   int64_t got = -1;
   WaitUntil(
       [&] {
         auto info = client.Info();
-        if (info.ok()) got = info->pool().free_bytes();
-        return got == want;
+        if (!info.ok()) return false;
+        got = info->pool().free_bytes();
+        return done(got);
       },
-      std::chrono::seconds(5));
+      limit);
   return got;
 }
 
+// Waits (up to 5 s) until the pool's free bytes equal `want` (a stream's
+// cleanup runs when the server notices its end) and returns the last seen.
+inline int64_t WaitForFree(KvClient& client, int64_t want) {
+  return PollFree(client, [&](int64_t free) { return free == want; }, std::chrono::seconds(5));
+}
+
 // Waits (up to `limit`) until the pool's free bytes differ from `from` (the
-// server holds a stream's pages); whether they did.
-inline bool WaitForFreeToChange(KvClient& client, int64_t from, std::chrono::milliseconds limit) {
-  return WaitUntil(
-      [&] {
-        auto info = client.Info();
-        return info.ok() && info->pool().free_bytes() != from;
-      },
-      limit);
+// server holds a stream's pages).
+inline void WaitForFreeToChange(KvClient& client, int64_t from, std::chrono::milliseconds limit) {
+  PollFree(client, [&](int64_t free) { return free != from; }, limit);
 }
 
 // Seeded K/V [L][T][Hkv][D] in BF16 with a few large channels.
