@@ -174,11 +174,20 @@ __device__ __forceinline__ float FastExp2(float x) {
   return y;
 }
 
-// log2 for x >= 1 in this code (sums of softmax weights): lg2.approx, ~2^-22
-// absolute error; 0 and subnormals would give -inf (ftz).
+// log2 with the MUFU unit: lg2.approx, ~2^-22 absolute error for normal x;
+// 0 and subnormals give -inf (ftz), NaN gives NaN. Used on sums of softmax
+// weights (>= 1) and on V scales (variant 12's S).
 __device__ __forceinline__ float FastLog2(float x) {
   float y;
   asm("lg2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
+// 1/x with the MUFU unit (rcp.approx.ftz, ~1 ulp), for normal x: no range
+// checks (subnormal x flushes to 0 and gives inf).
+__device__ __forceinline__ float FastRcp(float x) {
+  float y;
+  asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 

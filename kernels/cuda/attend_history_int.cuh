@@ -52,11 +52,28 @@ namespace cuda_attend {
 // kDigits = 3: P' in 24-bit fixed point of S = (max p) · (max s_V) >= P', two
 // MMAs per 16 dims; kDigits = 2: 16 bits of S = the exact max of P' over the
 // chunk's tokens, one MMA per 16 dims (Accumulate16).
-template <int D, int NG, bool G8, int kDigits = 3>
+//
+// kShortChain (kDigits = 2 only; variant 12): the same products with fewer
+// steps on each chunk's dependency chain, which is what limits the loop
+// (RESULTS run 22: the loop issues ~0.5 instruction per cycle per scheduler):
+//   - S = max P' from the logits' own max reduction: S = 2^(max(lg + log2
+//     s_V) − m), the max riding in the same shuffle steps as the logits' max
+//     (log2 s_V is taken when the scales arrive, off the chain), instead of
+//     a second 3-step reduction after the exponentials. lg + log2 s_V rounds
+//     at the logit's magnitude, so S can be a few ulp(|lg|)·ln 2 below the
+//     largest P': the digit clamp at 65535 bounds that token (at |lg| ~ 1000,
+//     about one digit unit of 65535);
+//   - 1/S by rcp.approx, not a range-checked division;
+//   - cumulative code masks in P·V: field k's MMA takes the byte's fields
+//     0..k (masks 0x03, 0x0F, 0x3F, none: the last needs no AND), and Finish
+//     takes the differences of adjacent accumulators. Exact in int32 (A <=
+//     255: 256·acc + acc' <= 32·255·255·257 = 534,765,600 < 2^31).
+template <int D, int NG, bool G8, int kDigits = 3, bool kShortChain = false>
 struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   // P' in fixed point of the chunk's scale S.
   static constexpr float kFixedMax = kDigits == 3 ? 16777215.0f : 65535.0f;
   static_assert(kDigits == 2 || kDigits == 3, "two or three base-256 digits");
+  static_assert(!kShortChain || kDigits == 2, "the short chain is the 16-bit path's");
   static_assert(D == 128 && NG == 1 && !G8, "integer P·V: D = 128, one group, g <= 4");
   using Base = ChunkLoads<D, NG, G8>;
   using typename Base::C;
@@ -139,9 +156,19 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   // the warp's 32 tokens; returned), the running max m moved to cover it, and
   // l, vlo and the accumulators rescaled to the new m.
   __device__ __forceinline__ float MoveMax(const float (&lg)[2][2]) {
+    float none = -INFINITY;
+    return MoveMax(lg, none, false);
+  }
+
+  // MoveMax that also reduces `also` (a lane's value per head) to its max
+  // over the same lanes in the same shuffle steps, when `with_also`.
+  __device__ __forceinline__ float MoveMax(const float (&lg)[2][2], float& also, bool with_also) {
     float cm = fmaxf(fmaxf(lg[0][0], lg[0][1]), fmaxf(lg[1][0], lg[1][1]));
 #pragma unroll
-    for (int off = 4; off <= 16; off <<= 1) cm = fmaxf(cm, __shfl_xor_sync(kFull, cm, off));
+    for (int off = 4; off <= 16; off <<= 1) {
+      cm = fmaxf(cm, __shfl_xor_sync(kFull, cm, off));
+      if (with_also) also = fmaxf(also, __shfl_xor_sync(kFull, also, off));
+    }
     const float mn = fmaxf(m, cm);
     const float f = FastExp2(m - mn);
     m = mn;
@@ -178,9 +205,21 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   // The P·V MMA's A fragment for code field k and byte pair bp (16 dims x 32
   // tokens of V codes as u8 values c·4^k), from VCodeBytes' t: one AND per
   // 4 codes.
+  // With kShortChain, fields 0..k (c_0 + 4 c_1 + ... + 4^k c_k), and field 3's
+  // fragment is t itself.
   static __device__ __forceinline__ void FieldFragment(const uint32_t (&t)[2][4], int k, int bp,
                                                        uint32_t (&a)[4]) {
-    const uint32_t msk = 0x03030303u << (2 * k);
+    if (kShortChain && k == 3) {
+      a[0] = t[0][2 * bp];
+      a[1] = t[0][2 * bp + 1];
+      a[2] = t[1][2 * bp];
+      a[3] = t[1][2 * bp + 1];
+      return;
+    }
+    const uint32_t msk = !kShortChain ? 0x03030303u << (2 * k)
+                         : k == 0     ? 0x03030303u
+                         : k == 1     ? 0x0F0F0F0Fu
+                                      : 0x3F3F3F3Fu;
     a[0] = t[0][2 * bp] & msk;
     a[1] = t[0][2 * bp + 1] & msk;
     a[2] = t[1][2 * bp] & msk;
@@ -244,7 +283,18 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
 
   // Accumulate with 16-bit P' of the chunk's exact max (kDigits == 2).
   __device__ __forceinline__ void Accumulate16(const Regs& x, const float (&lg)[2][2]) {
-    MoveMax(lg);
+    // kShortChain: the max over the chunk of lg + log2 s_V, reduced with the
+    // logits' max (fmaxf skips a NaN scale's NaN; a zero scale gives -inf).
+    float lgs = -INFINITY;
+    if constexpr (kShortChain) {
+#pragma unroll
+      for (int tau = 0; tau < 2; ++tau)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          lgs = fmaxf(lgs, lg[tau][e] + FastLog2(ParamScale(x.vp[2 * tau + e][0])));
+        }
+    }
+    MoveMax(lg, lgs, kShortChain);
     const float mn = m;
     // P' = p·s_V per token; S = its max over the chunk's 32 tokens (fmaxf
     // skips a NaN scale, whose token then gets digit 0).
@@ -257,15 +307,20 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
         l += p;
         vlo = fmaf(p, ParamMin(x.vp[2 * tau + e][0]), vlo);
         pv[tau][e] = p * ParamScale(x.vp[2 * tau + e][0]);
-        smax = fmaxf(smax, pv[tau][e]);
+        if constexpr (!kShortChain) smax = fmaxf(smax, pv[tau][e]);
       }
+    if constexpr (kShortChain) {
+      smax = FastExp2(lgs - mn);  // 0 when every scale is 0 (or NaN)
+    } else {
 #pragma unroll
-    for (int off = 4; off <= 16; off <<= 1) smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, off));
+      for (int off = 4; off <= 16; off <<= 1) smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, off));
+    }
     // An S too small to matter (p negligible against l >= 1) drops the
     // chunk's P' terms.
     const bool live = smax >= 1e-30f;
     const float scl = live ? smax * (1.0f / kFixedMax) : 0.0f;
-    const float inv = live ? __fdividef(kFixedMax, smax) : 0.0f;
+    const float inv = !live ? 0.0f : kShortChain ? kFixedMax * FastRcp(smax)
+                                                 : __fdividef(kFixedMax, smax);
     uint32_t pb[2];
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
@@ -321,7 +376,11 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
 #pragma unroll
       for (int bp = 0; bp < 2; ++bp)
 #pragma unroll
-        for (int e = 0; e < 2; ++e) sm_o[c][4 * r + 2 * bp + e + 32 * k] = fmaf(ks, o[k][bp][e], vlo);
+        for (int e = 0; e < 2; ++e) {
+          // kShortChain: o[k] holds fields 0..k; field k alone is the difference.
+          const float field = kShortChain && k > 0 ? o[k][bp][e] - o[k - 1][bp][e] : o[k][bp][e];
+          sm_o[c][4 * r + 2 * bp + e + 32 * k] = fmaf(ks, field, vlo);
+        }
     }
     if (r == 0) {
       sm_m[c] = m;

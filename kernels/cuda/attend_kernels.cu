@@ -41,14 +41,19 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
 // StageRing::kBlockBytes) instead of the register double buffer.
 // kExactFirst: a unit with both parts (the plan folds the exact blocks onto
 // the history units, see FoldExact) runs its exact part before its pages,
-// while the prep kernel runs, instead of after them.
+// while the prep kernel runs, instead of after them. kShortChain (variant
+// 12, with kIntPv = 2): HistoryWarpIntPv's shorter chunk chain, and the
+// service's loop (a.ablate == 0) compiled with a literal 0, so it has no
+// per-chunk tests of the benchmark's ablation bits.
 template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
-          bool kInt = false, int kIntPv = 0, int kStages = 0, bool kExactFirst = false>
+          bool kInt = false, int kIntPv = 0, int kStages = 0, bool kExactFirst = false,
+          bool kShortChain = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
-  using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv>,
+  using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv, kShortChain>,
                                   HistoryWarp<D, NG, G8, kInt>>;
   static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
+  static_assert(!kShortChain || (kIntPv == 2 && kStages == 0), "the short chain: variant 8's loop");
   static_assert(kStages == 0 || !kPipeline, "the stage ring replaces the register buffers");
   constexpr int HG = C::HG;
   __shared__ __align__(16) float sm_o[kWarps][HG][D];  // also the exact steps' scratch
@@ -262,15 +267,25 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           int it = 0;
           if constexpr (kPrefetch) {
             // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in service.
-            const int ablate = a.ablate;
-            const bool loads = !(ablate & 4);
-            while (true) {
-              ProcessChunk(hw, ra, ablate);
-              if (++it >= iters) break;
-              if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
-              ProcessChunk(hw, rb, ablate);
-              if (++it >= iters) break;
-              if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
+            auto run_chunks = [&](const int ablate) {
+              const bool loads = !(ablate & 4);
+              while (true) {
+                ProcessChunk(hw, ra, ablate);
+                if (++it >= iters) break;
+                if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
+                ProcessChunk(hw, rb, ablate);
+                if (++it >= iters) break;
+                if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
+              }
+            };
+            if constexpr (kShortChain) {
+              if (a.ablate == 0) {
+                run_chunks(0);
+              } else {
+                run_chunks(a.ablate);
+              }
+            } else {
+              run_chunks(a.ablate);
             }
           } else {
             while (true) {
@@ -323,7 +338,8 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // 128, one quantization group, at most 4 query heads per kv head; other
 // shapes run 3) at 3 / 4 blocks per SM; 8 / 9 = 6 / 7 with 16-bit P';
 // 10 = 8 fed by a ring of kRingStages shared-memory stages per warp (bulk
-// copies; other shapes run 3).
+// copies; other shapes run 3); 12 = 8 with the short chunk chain
+// (kShortChain; other shapes run 3).
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
@@ -350,6 +366,10 @@ auto SplitKernelFor(int variant, bool exact_first) {
                          : &SplitKernel<D, NG, G8, 3, true, false, false, 2>;
     }
     if (variant == 9) return &SplitKernel<D, NG, G8, 4, true, false, false, 2>;
+    if (variant == 12) {
+      return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true>
+                         : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true>;
+    }
     if (variant == 10) return &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages>;
   }
   if constexpr (D == 128 && !G8) {

@@ -122,10 +122,17 @@ class AttendLauncher {
   //       distributed shared memory (and the clusters of a head in global
   //       memory), with no prep or merge kernel (D = 128, G = D, <= 4 query
   //       heads per kv head, at least one cluster per (item, kv head) at
-  //       once; other batches run 8).
+  //       once; other batches run 8);
+  //   12 = 8 with a shorter dependency chain per chunk (the same products:
+  //       S from the logits' max reduction, 1/S by rcp.approx, cumulative
+  //       V code masks; HistoryWarpIntPv's kShortChain) and the service loop
+  //       compiled without the benchmark's ablation tests (D = 128, G = D,
+  //       <= 4 query heads per kv head; else 3). Written 2026-12-01 without
+  //       a GPU: compiled and its SASS read on the dev VM (RESULTS run 23),
+  //       not yet run; the default stays 8 until it is tested and timed.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 12;
+  static constexpr int kNumVariants = 13;
   static constexpr int kClusterVariant = 11;
   static constexpr int kDefaultVariant = 8;
   void set_variant(int variant) { variant_ = variant; }

@@ -16,7 +16,7 @@
 # with everything on; SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests (~2 min).
 #
 # Environment: QUICK=1 (~5 min on the H200, 2026-11-29) runs the default
-# variant's attention tests in full, variants 0, 2, 3, 6, 10 and 11 on D = 128
+# variant's attention tests in full, variants 0, 2, 3, 6, 10, 11 and 12 on D = 128
 # only (not 1, 4 and 7), the benchmark before the sanitizer, and a smaller
 # sanitizer set, 50 s at most each (memcheck, racecheck and initcheck of the
 # attention, synccheck of variant 10's stage ring, memcheck of the codec,
@@ -76,10 +76,11 @@ run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cud
   --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant0.json"
 grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
 # Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7),
-# the default's loop fed by the shared-memory stage ring (10) or in one
-# cluster kernel (11, batches of few items): differ from the others for
-# D = 128, g <= 4 only (6, 7, 10 and 11 for G = D only).
-for v in 3 6 10 11 $([ "$quick" = 1 ] || echo 4 7); do
+# the default's loop fed by the shared-memory stage ring (10), in one
+# cluster kernel (11, batches of few items) or with the short chunk chain
+# (12): differ from the others for D = 128, g <= 4 only (6, 7, 10, 11 and 12
+# for G = D only).
+for v in 3 6 10 11 12 $([ "$quick" = 1 ] || echo 4 7); do
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*' \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
@@ -101,6 +102,8 @@ if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-san
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4:*D256_g1_groups2:*D128_g8_groups2:CudaAttendLimits.*'
   run sanitizer_racecheck_attend $cs --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
+  run sanitizer_memcheck_attend_v12 env OSCARKV_CUDA_ATTEND_VARIANT=12 $cs --tool memcheck \
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
   run sanitizer_synccheck_ring env OSCARKV_CUDA_ATTEND_VARIANT=10 $cs --tool synccheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.Long*'
@@ -123,6 +126,8 @@ elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null
   run sanitizer_memcheck_attend_v2 env OSCARKV_CUDA_ATTEND_VARIANT=2 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4'
   run sanitizer_memcheck_attend_v4 env OSCARKV_CUDA_ATTEND_VARIANT=4 compute-sanitizer --tool memcheck \
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
+  run sanitizer_memcheck_attend_v12 env OSCARKV_CUDA_ATTEND_VARIANT=12 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
   run sanitizer_racecheck_codec timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test" --gtest_filter="*Encode*:$roles_test"

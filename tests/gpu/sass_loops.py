@@ -8,7 +8,7 @@ number of instructions of each opcode in it. Or compares two cubins kernel
 by kernel (--compare): which kernels' machine code differs.
 
   sass_loops.py [--kernel REGEX]... [--modifiers] [--nvdisasm PATH] CUBIN
-  sass_loops.py --compare [--kernel REGEX]... A.cubin B.cubin
+  sass_loops.py --compare [--kernel REGEX]... [--rename REGEX REPL]... A.cubin B.cubin
 
 Make the cubin with the flags of the build (kernels/cuda/CMakeLists.txt):
   /usr/local/cuda/bin/nvcc -O3 -DNDEBUG -arch=sm_90 -cubin -lineinfo \\
@@ -284,25 +284,34 @@ def report(path, nvdisasm, patterns, modifiers, out):
     return shown
 
 
-def compare(path_a, path_b, patterns, out):
+def compare(path_a, path_b, patterns, out, renames=()):
+    """Pairs the two cubins' kernels by readable name (after `renames`, [(regex,
+    replacement)], on the second cubin's names: a template that gained a
+    defaulted parameter, say) and says which differ. Returns how many do."""
     texts = []
     for p in (path_a, path_b):
         with open(p, "rb") as f:
             data = f.read()
         cubin_arch(data)
         texts.append(kernel_texts(data))
-    a, b = texts
-    names = demangle(sorted(set(a) | set(b)))
+    names = demangle(sorted(set(texts[0]) | set(texts[1])))
+    a = {names[k]: v for k, v in texts[0].items()}
+    b = {}
+    for k, v in texts[1].items():
+        readable = names[k]
+        for pattern, repl in renames:
+            readable = pattern.sub(repl, readable)
+        b[readable] = v
     same = differ = 0
-    for k in sorted(set(a) | set(b), key=lambda n: names[n]):
-        if not selected(k, names[k], patterns):
+    for k in sorted(set(a) | set(b)):
+        if not selected(k, k, patterns):
             continue
         if k not in a or k not in b:
-            out.write("only in %s: %s\n" % (path_a if k in a else path_b, names[k]))
+            out.write("only in %s: %s\n" % (path_a if k in a else path_b, k))
             differ += 1
         elif a[k][0] != b[k][0]:
             out.write("differs (%d / %d bytes, %d / %d registers): %s\n"
-                      % (len(a[k][0]), len(b[k][0]), a[k][1], b[k][1], names[k]))
+                      % (len(a[k][0]), len(b[k][0]), a[k][1], b[k][1], k))
             differ += 1
         else:
             same += 1
@@ -323,16 +332,21 @@ def main(argv):
     ap.add_argument("--nvdisasm", help="the disassembler (default: $NVDISASM, then PATH)")
     ap.add_argument("--compare", action="store_true",
                     help="compare the machine code of two cubins' kernels (needs no nvdisasm)")
+    ap.add_argument("--rename", nargs=2, action="append", default=[], metavar=("REGEX", "REPL"),
+                    help="with --compare: rewrite the second cubin's readable kernel names "
+                         "before pairing them (repeatable), e.g. --rename '(SplitKernel<.*), false>\\(' '\\1>(' "
+                         "for a template that gained a defaulted parameter")
     args = ap.parse_args(argv)
     try:
         patterns = [re.compile(p) for p in args.kernel]
+        renames = [(re.compile(p), r) for p, r in args.rename]
     except re.error as e:
-        ap.error("bad --kernel pattern: %s" % e)
+        ap.error("bad pattern: %s" % e)
     try:
         if args.compare:
             if len(args.cubin) != 2:
                 ap.error("--compare takes two cubins")
-            return 1 if compare(args.cubin[0], args.cubin[1], patterns, sys.stdout) else 0
+            return 1 if compare(args.cubin[0], args.cubin[1], patterns, sys.stdout, renames) else 0
         if len(args.cubin) != 1:
             ap.error("one cubin (two only with --compare)")
         nvdisasm = find_nvdisasm(args.nvdisasm)
