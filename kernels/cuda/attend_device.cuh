@@ -59,6 +59,27 @@ struct LaunchArgs {
   unsigned long long* trace[kTraceKernels];
 };
 
+template <int D, int NG, bool G8>
+struct Cfg {
+  static constexpr int KS = D / 16;      // QK k-steps (16 dims each)
+  static constexpr int NT = G8 ? 2 : 1;  // n-tiles of the query / probability columns
+  static constexpr int MT = D / 16;      // PV m-tiles (16 dims each)
+  static constexpr int KW = D / 64;      // K code words per thread per token
+  static constexpr int VB = D / 32;      // V code bytes per thread per token
+  static constexpr int VW = VB >= 4 ? VB / 4 : 1;
+  static constexpr int BP = VB / 2;      // V byte pairs per thread per token
+  static constexpr int HG = G8 ? 8 : 4;  // query heads a block keeps in shared memory
+  static constexpr int EL = D / 32;      // elements per lane (exact path)
+  static constexpr bool kPrefetch = D <= 128;
+};
+
+// The PTX-level operations (and the kernels' Trace and WarpIndex), from here
+// to FastRcp. With OSCARKV_WARP_EMULATION defined, a host emulation of one
+// warp (tests/gpu/warp_emulation.h, included first) defines the same
+// functions, so the history warps' code runs and is tested on the CPU; the
+// device code is the same either way.
+#if !defined(OSCARKV_WARP_EMULATION)
+
 // Records the time of `mark` in row `block` of `rows` (thread 0; nothing when
 // tracing is off), and at kTraceStart also the block's multiprocessor.
 __device__ __forceinline__ void Trace(unsigned long long* rows, int block, int mark) {
@@ -73,20 +94,6 @@ __device__ __forceinline__ void Trace(unsigned long long* rows, int block, int m
     row[kTraceSm] = sm;
   }
 }
-
-template <int D, int NG, bool G8>
-struct Cfg {
-  static constexpr int KS = D / 16;      // QK k-steps (16 dims each)
-  static constexpr int NT = G8 ? 2 : 1;  // n-tiles of the query / probability columns
-  static constexpr int MT = D / 16;      // PV m-tiles (16 dims each)
-  static constexpr int KW = D / 64;      // K code words per thread per token
-  static constexpr int VB = D / 32;      // V code bytes per thread per token
-  static constexpr int VW = VB >= 4 ? VB / 4 : 1;
-  static constexpr int BP = VB / 2;      // V byte pairs per thread per token
-  static constexpr int HG = G8 ? 8 : 4;  // query heads a block keeps in shared memory
-  static constexpr int EL = D / 32;      // elements per lane (exact path)
-  static constexpr bool kPrefetch = D <= 128;
-};
 
 // Warp index the compiler can prove warp-uniform (a shuffle from lane 0), so
 // warp-collective code inside per-warp loops compiles without the divergence
@@ -190,6 +197,8 @@ __device__ __forceinline__ float FastRcp(float x) {
   asm("rcp.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
+
+#endif  // !OSCARKV_WARP_EMULATION
 
 // One round of WarpSumScatter: each lane keeps kHalf of its 2·kHalf values
 // (the upper half when its lane bit `off` is set), adds the partner's copy of

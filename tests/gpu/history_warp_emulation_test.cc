@@ -1,0 +1,336 @@
+// The history warps of the CUDA attention kernels (attend_history*.cuh), run
+// on the CPU through the warp emulation (warp_emulation.h), against an fp64
+// softmax over the same pages: the chunk loads, the online softmax, P·V on
+// the (emulated) tensor cores and Finish, for
+//   - HistoryWarpIntPv<.., 2 digits> (variant 8, the default; verified on the
+//     H200 by cuda_attend_test, so this also checks the emulation),
+//   - HistoryWarpIntPv<.., 2 digits, kShortChain> (variant 12),
+//   - HistoryWarp with integer q·K (variant 3: bf16 hi/lo P').
+// Logits come from each warp's own q·K (random query digits, so they are not
+// a real query's); the reference takes those logits and computes, in fp64,
+// o = Σ_t 2^(lg_t − M) (s_t c_t + min_t) / Σ_t 2^(lg_t − M) from the page
+// bytes. Runs in CI (no GPU; the CUDA headers only).
+//
+// Stated tolerances: relative L2 error of o per head < 2e-4 (16-bit P':
+// 2^-17 of each chunk's max per term; the H200 measured up to 6.3e-5 on
+// whole calls), |l − Σw| / Σw < 1e-5, and variant 12 within 1e-4 (relative
+// L2) of variant 8 on the same input.
+#include "tests/gpu/warp_emulation.h"  // first: it replaces the PTX operations
+
+#include <algorithm>
+#include <cctype>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <ostream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "gtest/gtest.h"
+#include "kernels/cuda/attend_history_int.cuh"
+#include "kernels/numeric.h"
+#include "kernels/page_format.h"
+
+namespace oscarkv {
+namespace {
+
+using cuda_attend::HistoryWarp;
+using cuda_attend::HistoryWarpIntPv;
+using cuda_attend::kQueryMetaFloats;
+using cuda_attend::LaunchArgs;
+
+constexpr int kD = 128;
+constexpr int kTokensPerChunk = 32;
+constexpr int kHeads = 4;   // a block's query heads (HG) for g <= 4
+constexpr int kHead = 1;    // the kv head under test (of 2: offsets inside a page)
+
+using Warp8 = HistoryWarpIntPv<kD, 1, false, 2, false>;
+using Warp12 = HistoryWarpIntPv<kD, 1, false, 2, true>;
+using Warp3 = HistoryWarp<kD, 1, false, true>;
+
+enum class Logits { kSpread, kPeaky, kRising };
+
+struct Input {
+  PageGeometry geom{2, kD, kD, kTokensPerChunk};
+  int g = 4;
+  std::vector<std::vector<uint8_t>> pages;
+  std::vector<uint32_t> qfrag;  // [kv head][2][4][2][32]
+  std::vector<float> qmeta;     // [kv head * g + head][kQueryMetaFloats]
+};
+
+uint32_t Params(float scale, float min) {
+  return uint32_t(FloatToFp16(scale)) | (uint32_t(FloatToFp16(min)) << 16);
+}
+
+// Pages of random codes and plausible (scale, min); `zero_rows`: every 7th
+// token's V scale is 0 (a constant row: the encoder's output for one).
+Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed) {
+  Input in;
+  in.g = g;
+  std::mt19937_64 rng(seed);
+  std::uniform_int_distribution<int> byte(0, 255), digit(-64, 63);
+  std::uniform_real_distribution<float> ks(0.02f, 0.08f), kmin(-0.2f, 0.0f);
+  std::uniform_real_distribution<float> vs(0.005f, 0.05f), vmin(-0.2f, 0.1f);
+  const PageGeometry& geom = in.geom;
+  for (int p = 0; p < num_pages; ++p) {
+    std::vector<uint8_t> page(geom.page_bytes());
+    for (auto& b : page) b = static_cast<uint8_t>(byte(rng));
+    for (int h = 0; h < geom.kv_heads; ++h) {
+      for (int t = 0; t < geom.page_tokens; ++t) {
+        const int token = p * geom.page_tokens + t;
+        float k_min = kmin(rng);
+        if (kind == Logits::kPeaky && token == 37) k_min = 9.0f;  // 2^9 above the rest
+        if (kind == Logits::kRising) k_min = 0.02f * token;      // the max moves every chunk
+        const uint32_t kp = Params(ks(rng), k_min);
+        const float v_scale = zero_rows && token % 7 == 3 ? 0.0f : vs(rng);
+        const uint32_t vp = Params(v_scale, vmin(rng));
+        std::memcpy(&page[geom.params_offset(h, 0) + size_t(t) * 4], &kp, 4);
+        std::memcpy(&page[geom.params_offset(h, 1) + size_t(t) * 4], &vp, 4);
+      }
+    }
+    in.pages.push_back(std::move(page));
+  }
+  in.qfrag.resize(size_t(geom.kv_heads) * 2 * 4 * 2 * 32);
+  for (auto& w : in.qfrag) {
+    w = 0;
+    for (int j = 0; j < 4; ++j) w |= uint32_t(uint8_t(int8_t(digit(rng)))) << (8 * j);
+  }
+  in.qmeta.assign(size_t(geom.kv_heads) * g * kQueryMetaFloats, 0.0f);
+  for (int hh = 0; hh < geom.kv_heads * g; ++hh) {
+    in.qmeta[size_t(hh) * kQueryMetaFloats + 0] = 0.004f * (1.0f + 0.25f * (hh % 4));  // mult
+    in.qmeta[size_t(hh) * kQueryMetaFloats + 1] = 1.0f;                                 // Σq'
+  }
+  return in;
+}
+
+// Where a lane's logits lg[τ][e] are: (head, token within the chunk), or
+// head -1 for a lane whose copy another lane records.
+template <class W>
+struct LogitMap;
+template <>
+struct LogitMap<Warp8> {
+  static constexpr int E = 2;
+  static void At(int lane, int tau, int e, int* head, int* token) {
+    *head = lane & 3;
+    *token = 16 * tau + (lane >> 2) + 8 * e;
+  }
+};
+template <>
+struct LogitMap<Warp12> : LogitMap<Warp8> {};
+template <>
+struct LogitMap<Warp3> {
+  static constexpr int E = 4;
+  static void At(int lane, int tau, int e, int* head, int* token) {
+    const int c = lane & 3;
+    *head = c < 2 ? 2 * (c & 1) + (e & 1) : -1;  // lanes c and c ^ 2 hold the same logits
+    *token = 16 * tau + (lane >> 2) + 8 * (e >> 1);
+  }
+};
+
+struct Output {
+  std::vector<std::vector<double>> logits;  // [head][token]
+  float o[kHeads][kD];
+  float m[kHeads], l[kHeads];
+};
+
+// One warp over all chunks of the input, as the split kernel's loop runs
+// them (Load, Logits, Accumulate), then Finish.
+template <class W>
+Output RunHistoryWarp(const Input& in) {
+  Output out;
+  const int tokens = int(in.pages.size()) * in.geom.page_tokens;
+  out.logits.assign(kHeads, std::vector<double>(tokens, std::numeric_limits<double>::quiet_NaN()));
+  for (auto& row : out.o) std::fill(std::begin(row), std::end(row), std::nanf(""));
+  std::fill(std::begin(out.m), std::end(out.m), std::nanf(""));
+  std::fill(std::begin(out.l), std::end(out.l), std::nanf(""));
+  LaunchArgs a = {};
+  a.geom = in.geom;
+  a.g = in.g;
+  a.hq = in.geom.kv_heads * in.g;
+  a.qfrag = const_cast<uint32_t*>(in.qfrag.data());
+  a.qmeta = const_cast<float*>(in.qmeta.data());
+  warp_emulation::RunWarp([&](int lane) {
+    W hw;
+    hw.InitOffsets(in.geom, kHead, lane);
+    hw.InitQuery(a, /*item=*/0, kHead, lane);
+    constexpr int E = LogitMap<W>::E;
+    for (size_t p = 0; p < in.pages.size(); ++p) {
+      typename W::Regs x;
+      hw.Load(x, in.pages[p].data(), /*chunk=*/0);
+      float lg[2][E];
+      hw.Logits(x, lg);
+      for (int tau = 0; tau < 2; ++tau)
+        for (int e = 0; e < E; ++e) {
+          int head, token;
+          LogitMap<W>::At(lane, tau, e, &head, &token);
+          if (head >= 0 && head < in.g) out.logits[head][p * kTokensPerChunk + token] = lg[tau][e];
+        }
+      hw.Accumulate(x, lg);
+    }
+    hw.Finish(in.g, out.o, out.m, out.l);
+  });
+  return out;
+}
+
+// V of token t, dim d, dequantized from the page bytes (page_format.h).
+double ValueAt(const Input& in, int token, int d) {
+  const PageGeometry& geom = in.geom;
+  const std::vector<uint8_t>& page = in.pages[token / geom.page_tokens];
+  const int t = token % geom.page_tokens;
+  const uint8_t byte = page[geom.codes_offset(kHead, 1) + size_t(t) * geom.code_row_bytes() +
+                            d % (kD / 4)];
+  uint32_t params;
+  std::memcpy(&params, &page[geom.params_offset(kHead, 1) + size_t(t) * 4], 4);
+  const double scale = Fp16ToFloat(static_cast<fp16_bits>(params & 0xffffu));
+  const double min = Fp16ToFloat(static_cast<fp16_bits>(params >> 16));
+  return UnpackCode(byte, d / (kD / 4)) * scale + min;
+}
+
+struct Errors {
+  double o = 0.0, l = 0.0;  // worst head's relative L2 error of o and relative error of l
+};
+
+// The warp's result against the fp64 softmax over its own logits.
+Errors CompareWithFp64(const Input& in, const Output& out) {
+  Errors err;
+  const int tokens = int(in.pages.size()) * in.geom.page_tokens;
+  for (int hh = 0; hh < kHeads; ++hh) {
+    if (hh >= in.g) {
+      // Heads past the group are not written.
+      EXPECT_TRUE(std::isnan(out.o[hh][0]) && std::isnan(out.l[hh])) << "head " << hh;
+      continue;
+    }
+    double M = -INFINITY;
+    for (int t = 0; t < tokens; ++t) {
+      EXPECT_TRUE(std::isfinite(out.logits[hh][t])) << "head " << hh << " token " << t;
+      M = std::max(M, out.logits[hh][t]);
+    }
+    std::vector<double> o(kD, 0.0);
+    double l = 0.0;
+    for (int t = 0; t < tokens; ++t) {
+      const double w = std::exp2(out.logits[hh][t] - M);
+      l += w;
+      for (int d = 0; d < kD; ++d) o[d] += w * ValueAt(in, t, d);
+    }
+    double num = 0.0, den = 0.0;
+    for (int d = 0; d < kD; ++d) {
+      const double got = double(out.o[hh][d]) / out.l[hh];
+      EXPECT_TRUE(std::isfinite(got)) << "head " << hh << " dim " << d;
+      num += (got - o[d] / l) * (got - o[d] / l);
+      den += (o[d] / l) * (o[d] / l);
+    }
+    err.o = std::max(err.o, std::sqrt(num / den));
+    const double l_got = double(out.l[hh]) * std::exp2(double(out.m[hh]) - M);
+    err.l = std::max(err.l, std::fabs(l_got - l) / l);
+  }
+  return err;
+}
+
+double RelativeL2(const Output& a, const Output& b, int g) {
+  double worst = 0.0;
+  for (int hh = 0; hh < g; ++hh) {
+    double num = 0.0, den = 0.0;
+    for (int d = 0; d < kD; ++d) {
+      const double x = double(a.o[hh][d]) / a.l[hh], y = double(b.o[hh][d]) / b.l[hh];
+      num += (x - y) * (x - y);
+      den += y * y;
+    }
+    worst = std::max(worst, std::sqrt(num / den));
+  }
+  return worst;
+}
+
+constexpr double kOutTol = 2e-4;
+constexpr double kSumTol = 1e-5;
+constexpr double kVariantTol = 1e-4;
+
+struct Case {
+  const char* name;
+  int g;
+  int pages;
+  Logits logits;
+  bool zero_rows;
+};
+
+void PrintTo(const Case& c, std::ostream* os) { *os << c.name; }
+
+class HistoryWarpEmulationTest : public ::testing::TestWithParam<Case> {};
+
+TEST_P(HistoryWarpEmulationTest, MatchesFp64SoftmaxOverTheSamePages) {
+  const Case& c = GetParam();
+  const Input in = MakeInput(c.g, c.pages, c.logits, c.zero_rows, 1000 + c.pages * 10 + c.g);
+  const Output o8 = RunHistoryWarp<Warp8>(in);
+  const Output o12 = RunHistoryWarp<Warp12>(in);
+  const Output o3 = RunHistoryWarp<Warp3>(in);
+  const Errors e8 = CompareWithFp64(in, o8), e12 = CompareWithFp64(in, o12);
+  const Errors e3 = CompareWithFp64(in, o3);
+  const double d12 = RelativeL2(o12, o8, c.g);
+  std::printf("%-22s o err: v8 %.2e  v12 %.2e  v3 %.2e; l err: v8 %.1e v12 %.1e v3 %.1e; "
+              "v12 vs v8 %.2e\n",
+              c.name, e8.o, e12.o, e3.o, e8.l, e12.l, e3.l, d12);
+  EXPECT_LT(e8.o, kOutTol);
+  EXPECT_LT(e12.o, kOutTol);
+  EXPECT_LT(e3.o, kOutTol);
+  EXPECT_LT(e8.l, kSumTol);
+  EXPECT_LT(e12.l, kSumTol);
+  EXPECT_LT(e3.l, kSumTol);
+  EXPECT_LT(d12, kVariantTol);
+  // The same logits: q·K is the same code in 8 and 12.
+  for (int hh = 0; hh < c.g; ++hh) EXPECT_EQ(o8.logits[hh], o12.logits[hh]) << "head " << hh;
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    Chunks, HistoryWarpEmulationTest,
+    ::testing::Values(Case{"spread g4 8 chunks", 4, 8, Logits::kSpread, false},
+                      Case{"spread g3 zero rows", 3, 6, Logits::kSpread, true},
+                      Case{"peaky g4", 4, 4, Logits::kPeaky, false},
+                      Case{"rising max g2", 2, 12, Logits::kRising, true},
+                      Case{"one chunk g1", 1, 1, Logits::kSpread, false}),
+    [](const ::testing::TestParamInfo<Case>& info) {
+      std::string name = info.param.name;
+      for (char& ch : name) {
+        if (!std::isalnum(static_cast<unsigned char>(ch))) ch = '_';
+      }
+      return name;
+    });
+
+// The emulation's own operations on known values, so that a wrong lane
+// layout shows up here and not only as an attention error.
+TEST(WarpEmulation, ShufflesTransposeAndIntegerMma) {
+  using namespace cuda_attend;  // NOLINT
+  int xor_ok = 0, transpose_ok = 0, mma_ok = 0, any_ok = 0;
+  std::mutex mu;
+  warp_emulation::RunWarp([&](int lane) {
+    const float v = __shfl_xor_sync(0xffffffffu, float(lane), 5);
+    const int up = __shfl_sync(0xffffffffu, lane * 3, (lane + 1) & 31);
+    // movmatrix: lane l holds row l/4, cols 2(l%4), +1 of M[i][j] = 8i + j.
+    const int i = lane >> 2, j = 2 * (lane & 3);
+    const uint32_t t = TransposeM8N8(uint32_t(8 * i + j) | (uint32_t(8 * i + j + 1) << 16));
+    const bool t_ok = (t & 0xffffu) == uint32_t(8 * j + i) && (t >> 16) == uint32_t(8 * (j + 1) + i);
+    // A = 1 everywhere, B[k][n] = n - 4 (s8): every D element of column n is 32(n - 4).
+    int c[4] = {0, 0, 0, 0};
+    const uint32_t b = 0x01010101u * uint32_t(uint8_t(int8_t(i - 4)));  // col n = groupID
+    ImmaU8S8(c, 0x01010101u, 0x01010101u, 0x01010101u, 0x01010101u, b, b);
+    const int n0 = 2 * (lane & 3), n1 = n0 + 1;
+    const bool m_ok = c[0] == 32 * (n0 - 4) && c[1] == 32 * (n1 - 4) && c[2] == 32 * (n0 - 4) &&
+                      c[3] == 32 * (n1 - 4);
+    const bool a_ok = __any_sync(0xffffffffu, lane == 17) == 1 && __any_sync(0xffffffffu, 0) == 0;
+    std::lock_guard<std::mutex> lock(mu);
+    xor_ok += v == float(lane ^ 5) && up == ((lane + 1) & 31) * 3;
+    transpose_ok += t_ok;
+    mma_ok += m_ok;
+    any_ok += a_ok;
+  });
+  EXPECT_EQ(xor_ok, 32);
+  EXPECT_EQ(transpose_ok, 32);
+  EXPECT_EQ(mma_ok, 32);
+  EXPECT_EQ(any_ok, 32);
+  EXPECT_EQ(cuda_attend::Prmt(0x33221100u, 0x77665544u, 0x5140u), 0x55114400u);
+  EXPECT_EQ(cuda_attend::Prmt(0x00008000u, 0u, 0x0009u), 0x000000ffu);  // sign replicate
+}
+
+}  // namespace
+}  // namespace oscarkv
