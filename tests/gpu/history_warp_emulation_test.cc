@@ -56,6 +56,9 @@ enum class Logits { kSpread, kPeaky, kRising };
 struct Input {
   PageGeometry geom{2, kD, kD, kTokensPerChunk};
   int g = 4;
+  // The chunks a warp takes (the split kernel's walk: warp w of a block of
+  // walk_warps takes chunks w, w + walk_warps, ...).
+  int walk_warps = 1, walk_warp = 0;
   std::vector<std::vector<uint8_t>> pages;
   std::vector<uint32_t> qfrag;  // [kv head][2][4][2][32]
   std::vector<float> qmeta;     // [kv head * g + head][kQueryMetaFloats]
@@ -67,9 +70,11 @@ uint32_t Params(float scale, float min) {
 
 // Pages of random codes and plausible (scale, min); `zero_rows`: every 7th
 // token's V scale is 0 (a constant row: the encoder's output for one).
-Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed) {
+Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed,
+                int page_tokens = kTokensPerChunk) {
   Input in;
   in.g = g;
+  in.geom.page_tokens = page_tokens;
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> byte(0, 255), digit(-64, 63);
   std::uniform_real_distribution<float> ks(0.02f, 0.08f), kmin(-0.2f, 0.0f);
@@ -136,10 +141,17 @@ struct Output {
   float m[kHeads], l[kHeads];
 };
 
-// One warp over all chunks of the input, as the split kernel's loop runs
-// them (Load, Logits, Accumulate), then Finish.
-template <class W>
-Output RunHistoryWarp(const Input& in) {
+int NumChunks(const Input& in) {
+  return int(in.pages.size()) * in.geom.page_tokens / kTokensPerChunk;
+}
+
+// Whether the input's warp takes chunk `chunk` (Input::walk_warps).
+bool Walked(const Input& in, int chunk) { return chunk % in.walk_warps == in.walk_warp; }
+
+// One warp over its chunks of the input, as the split kernel's loop runs
+// them (WarpPages for the page of each, Load, Logits, Accumulate), then Finish.
+template <class W, int kWalkWarps>
+Output RunWalk(const Input& in) {
   Output out;
   const int tokens = int(in.pages.size()) * in.geom.page_tokens;
   out.logits.assign(kHeads, std::vector<double>(tokens, std::numeric_limits<double>::quiet_NaN()));
@@ -152,27 +164,46 @@ Output RunHistoryWarp(const Input& in) {
   a.hq = in.geom.kv_heads * in.g;
   a.qfrag = const_cast<uint32_t*>(in.qfrag.data());
   a.qmeta = const_cast<float*>(in.qmeta.data());
+  std::vector<const uint8_t*> table;
+  for (const auto& page : in.pages) table.push_back(page.data());
+  cuda_attend::ItemPlan item;
+  item.pages = table.data();
+  item.num_pages = int(table.size());
+  EXPECT_EQ(in.walk_warps, kWalkWarps);
+  const int cpp = in.geom.page_tokens / kTokensPerChunk;
   warp_emulation::RunWarp([&](int lane) {
     W hw;
     hw.InitOffsets(in.geom, kHead, lane);
+    cuda_attend::WarpPages<kWalkWarps> pages(item, /*first=*/0, NumChunks(in), cpp, in.walk_warp,
+                                              lane);
     hw.InitQuery(a, /*item=*/0, kHead, lane);
     constexpr int E = LogitMap<W>::E;
-    for (size_t p = 0; p < in.pages.size(); ++p) {
+    const int iters = pages.Iterations();
+    for (int it = 0; it < iters; ++it) {
+      const uint8_t* page = pages.Page(it);
+      const int chunk = pages.ChunkOf(it);
       typename W::Regs x;
-      hw.Load(x, in.pages[p].data(), /*chunk=*/0);
+      hw.Load(x, page, pages.InPage(it));
       float lg[2][E];
       hw.Logits(x, lg);
       for (int tau = 0; tau < 2; ++tau)
         for (int e = 0; e < E; ++e) {
           int head, token;
           LogitMap<W>::At(lane, tau, e, &head, &token);
-          if (head >= 0 && head < in.g) out.logits[head][p * kTokensPerChunk + token] = lg[tau][e];
+          if (head >= 0 && head < in.g) {
+            out.logits[head][chunk * kTokensPerChunk + token] = lg[tau][e];
+          }
         }
       hw.Accumulate(x, lg);
     }
     hw.Finish(in.g, out.o, out.m, out.l);
   });
   return out;
+}
+
+template <class W>
+Output RunHistoryWarp(const Input& in) {
+  return RunWalk<W, 1>(in);
 }
 
 // V of token t, dim d, dequantized from the page bytes (page_format.h).
@@ -203,14 +234,20 @@ Errors CompareWithFp64(const Input& in, const Output& out) {
       EXPECT_TRUE(std::isnan(out.o[hh][0]) && std::isnan(out.l[hh])) << "head " << hh;
       continue;
     }
+    // The warp's tokens have logits, and only those.
     double M = -INFINITY;
     for (int t = 0; t < tokens; ++t) {
-      EXPECT_TRUE(std::isfinite(out.logits[hh][t])) << "head " << hh << " token " << t;
-      M = std::max(M, out.logits[hh][t]);
+      if (Walked(in, t / kTokensPerChunk)) {
+        EXPECT_TRUE(std::isfinite(out.logits[hh][t])) << "head " << hh << " token " << t;
+        M = std::max(M, out.logits[hh][t]);
+      } else {
+        EXPECT_TRUE(std::isnan(out.logits[hh][t])) << "head " << hh << " token " << t;
+      }
     }
     std::vector<double> o(kD, 0.0);
     double l = 0.0;
     for (int t = 0; t < tokens; ++t) {
+      if (!Walked(in, t / kTokensPerChunk)) continue;
       const double w = std::exp2(out.logits[hh][t] - M);
       l += w;
       for (int d = 0; d < kD; ++d) o[d] += w * ValueAt(in, t, d);
@@ -296,6 +333,24 @@ INSTANTIATE_TEST_SUITE_P(
       }
       return name;
     });
+
+// The split kernel's page walk: warp 3 of 4 over 2-chunk pages (P = 64),
+// 34 iterations, so WarpPages refetches its lanes' page pointers (every 32
+// iterations) and InPage alternates.
+TEST(HistoryWarpEmulation, WarpOfFourWalksItsChunksOfTwoChunkPages) {
+  Input in = MakeInput(4, 68, Logits::kSpread, true, 77, /*page_tokens=*/64);
+  in.walk_warps = 4;
+  in.walk_warp = 3;
+  const Output o8 = RunWalk<Warp8, 4>(in);
+  const Output o12 = RunWalk<Warp12, 4>(in);
+  const Errors e8 = CompareWithFp64(in, o8), e12 = CompareWithFp64(in, o12);
+  std::printf("walk 34 of 136 chunks   o err: v8 %.2e  v12 %.2e; l err: v8 %.1e v12 %.1e\n", e8.o,
+              e12.o, e8.l, e12.l);
+  EXPECT_LT(e8.o, kOutTol);
+  EXPECT_LT(e12.o, kOutTol);
+  EXPECT_LT(e8.l, kSumTol);
+  EXPECT_LT(e12.l, kSumTol);
+}
 
 // The emulation's own operations on known values, so that a wrong lane
 // layout shows up here and not only as an attention error.

@@ -67,6 +67,7 @@ void RunWarp(const std::function<void(int lane)>& body) {
     lanes.emplace_back([&warp, &body, lane] {
       t_warp = &warp;
       t_lane = lane;
+      threadIdx = {static_cast<unsigned>(lane), 0, 0};
       body(lane);
       t_warp = nullptr;
       t_lane = -1;
@@ -105,6 +106,8 @@ uint32_t PackBf16s(float lo, float hi) {
 
 }  // namespace warp_emulation
 }  // namespace oscarkv
+
+thread_local EmulatedThreadIndex threadIdx = {0, 0, 0};
 
 using oscarkv::warp_emulation::Exchange;
 using oscarkv::warp_emulation::kLanes;

@@ -73,6 +73,12 @@ uint32_t PackBf16s(float lo, float hi);
 }  // namespace warp_emulation
 }  // namespace oscarkv
 
+// The thread index of the calling lane (a warp of its own: x = lane).
+struct EmulatedThreadIndex {
+  unsigned int x, y, z;
+};
+extern thread_local EmulatedThreadIndex threadIdx;
+
 // The CUDA intrinsics the warp code calls (mask: always the full warp there).
 template <class T>
 T __shfl_sync(unsigned /*mask*/, T var, int src_lane, int /*width*/ = 32) {
@@ -92,6 +98,7 @@ unsigned int __float2uint_rn(float x);
 float __fdividef(float a, float b);
 float __frcp_rn(float x);
 inline uint32_t min(uint32_t a, uint32_t b) { return a < b ? a : b; }
+inline int min(int a, int b) { return a < b ? a : b; }
 inline float __uint_as_float(unsigned int u) {
   float f;
   std::memcpy(&f, &u, 4);
