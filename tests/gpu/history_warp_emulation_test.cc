@@ -42,10 +42,11 @@ using cuda_attend::HistoryWarpIntPv;
 using cuda_attend::kQueryMetaFloats;
 using cuda_attend::LaunchArgs;
 
-constexpr int kD = 128;
+constexpr int kD = 128;       // the integer paths' head dim
+constexpr int kMaxD = 256;
 constexpr int kTokensPerChunk = 32;
-constexpr int kHeads = 4;   // a block's query heads (HG) for g <= 4
-constexpr int kHead = 1;    // the kv head under test (of 2: offsets inside a page)
+constexpr int kMaxHeads = 8;  // a block's query heads (HG): 4, or 8 for g > 4
+constexpr int kHead = 1;      // the kv head under test (of 2: offsets inside a page)
 
 using Warp8 = HistoryWarpIntPv<kD, 1, false, 2, false>;
 using Warp12 = HistoryWarpIntPv<kD, 1, false, 2, true>;
@@ -70,13 +71,24 @@ uint32_t Params(float scale, float min) {
 
 // Pages of random codes and plausible (scale, min); `zero_rows`: every 7th
 // token's V scale is 0 (a constant row: the encoder's output for one).
+// The query fragments a warp reads (InitQuery): integer digits (variants 3
+// and 6-12) or fp16 hi / lo pairs (HistoryWarp without kIntQK), `words` per kv head.
+struct QueryFormat {
+  int words = 2 * 4 * 2 * 32;
+  bool fp16 = false;
+};
+
 Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed,
-                int page_tokens = kTokensPerChunk) {
+                int page_tokens = kTokensPerChunk, int head_dim = kD, int groups = 1,
+                QueryFormat query = {}) {
   Input in;
   in.g = g;
+  in.geom.head_dim = head_dim;
+  in.geom.group_size = head_dim / groups;
   in.geom.page_tokens = page_tokens;
   std::mt19937_64 rng(seed);
   std::uniform_int_distribution<int> byte(0, 255), digit(-64, 63);
+  std::uniform_real_distribution<float> unit(-1.0f, 1.0f);
   std::uniform_real_distribution<float> ks(0.02f, 0.08f), kmin(-0.2f, 0.0f);
   std::uniform_real_distribution<float> vs(0.005f, 0.05f), vmin(-0.2f, 0.1f);
   const PageGeometry& geom = in.geom;
@@ -86,59 +98,77 @@ Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed
     for (int h = 0; h < geom.kv_heads; ++h) {
       for (int t = 0; t < geom.page_tokens; ++t) {
         const int token = p * geom.page_tokens + t;
-        float k_min = kmin(rng);
-        if (kind == Logits::kPeaky && token == 37) k_min = 9.0f;  // 2^9 above the rest
-        if (kind == Logits::kRising) k_min = 0.02f * token;      // the max moves every chunk
-        const uint32_t kp = Params(ks(rng), k_min);
-        const float v_scale = zero_rows && token % 7 == 3 ? 0.0f : vs(rng);
-        const uint32_t vp = Params(v_scale, vmin(rng));
-        std::memcpy(&page[geom.params_offset(h, 0) + size_t(t) * 4], &kp, 4);
-        std::memcpy(&page[geom.params_offset(h, 1) + size_t(t) * 4], &vp, 4);
+        for (int gi = 0; gi < groups; ++gi) {
+          float k_min = kmin(rng);
+          if (kind == Logits::kPeaky && token == 37) k_min = 9.0f;  // 2^9 above the rest
+          if (kind == Logits::kRising) k_min = 0.02f * token;      // the max moves every chunk
+          const uint32_t kp = Params(ks(rng), k_min);
+          const float v_scale = zero_rows && token % 7 == 3 ? 0.0f : vs(rng);
+          const uint32_t vp = Params(v_scale, vmin(rng));
+          const size_t at = (size_t(t) * groups + gi) * 4;
+          std::memcpy(&page[geom.params_offset(h, 0) + at], &kp, 4);
+          std::memcpy(&page[geom.params_offset(h, 1) + at], &vp, 4);
+        }
       }
     }
     in.pages.push_back(std::move(page));
   }
-  in.qfrag.resize(size_t(geom.kv_heads) * 2 * 4 * 2 * 32);
+  in.qfrag.resize(size_t(geom.kv_heads) * query.words);
   for (auto& w : in.qfrag) {
     w = 0;
-    for (int j = 0; j < 4; ++j) w |= uint32_t(uint8_t(int8_t(digit(rng)))) << (8 * j);
+    if (query.fp16) {
+      w = uint32_t(FloatToFp16(unit(rng))) | (uint32_t(FloatToFp16(unit(rng))) << 16);
+    } else {
+      for (int j = 0; j < 4; ++j) w |= uint32_t(uint8_t(int8_t(digit(rng)))) << (8 * j);
+    }
   }
+  // Logits spread over a few units either way: integer digits' dot products
+  // are ~1e4, fp16 columns' ~10.
+  const float mult = query.fp16 ? 4.0f : 0.004f;
   in.qmeta.assign(size_t(geom.kv_heads) * g * kQueryMetaFloats, 0.0f);
   for (int hh = 0; hh < geom.kv_heads * g; ++hh) {
-    in.qmeta[size_t(hh) * kQueryMetaFloats + 0] = 0.004f * (1.0f + 0.25f * (hh % 4));  // mult
-    in.qmeta[size_t(hh) * kQueryMetaFloats + 1] = 1.0f;                                 // Σq'
+    in.qmeta[size_t(hh) * kQueryMetaFloats + 0] = mult * (1.0f + 0.25f * (hh % 4));
+    for (int gi = 0; gi < groups; ++gi) in.qmeta[size_t(hh) * kQueryMetaFloats + 1 + gi] = 1.0f;  // Σq'
   }
   return in;
 }
 
 // Where a lane's logits lg[τ][e] are: (head, token within the chunk), or
 // head -1 for a lane whose copy another lane records.
+// Also the warp's head dim and its query format.
 template <class W>
 struct LogitMap;
-template <>
-struct LogitMap<Warp8> {
+template <int D, int NG, bool G8, int kDigits, bool kShort>
+struct LogitMap<HistoryWarpIntPv<D, NG, G8, kDigits, kShort>> {
+  static constexpr int kHeadDim = D;
   static constexpr int E = 2;
+  static QueryFormat Query() { return {}; }
   static void At(int lane, int tau, int e, int* head, int* token) {
     *head = lane & 3;
     *token = 16 * tau + (lane >> 2) + 8 * e;
   }
 };
-template <>
-struct LogitMap<Warp12> : LogitMap<Warp8> {};
-template <>
-struct LogitMap<Warp3> {
+template <int D, int NG, bool G8, bool kInt>
+struct LogitMap<HistoryWarp<D, NG, G8, kInt>> {
+  using W = HistoryWarp<D, NG, G8, kInt>;
+  static constexpr int kHeadDim = D;
   static constexpr int E = 4;
+  static QueryFormat Query() { return {W::QN * W::QK * 2 * 32, !W::kIntQK}; }
   static void At(int lane, int tau, int e, int* head, int* token) {
     const int c = lane & 3;
-    *head = c < 2 ? 2 * (c & 1) + (e & 1) : -1;  // lanes c and c ^ 2 hold the same logits
+    if (G8) {
+      *head = 2 * c + (e & 1);
+    } else {
+      *head = c < 2 ? 2 * (c & 1) + (e & 1) : -1;  // lanes c and c ^ 2 hold the same logits
+    }
     *token = 16 * tau + (lane >> 2) + 8 * (e >> 1);
   }
 };
 
 struct Output {
   std::vector<std::vector<double>> logits;  // [head][token]
-  float o[kHeads][kD];
-  float m[kHeads], l[kHeads];
+  float o[kMaxHeads][kMaxD];
+  float m[kMaxHeads], l[kMaxHeads];
 };
 
 int NumChunks(const Input& in) {
@@ -154,7 +184,8 @@ template <class W, int kWalkWarps>
 Output RunWalk(const Input& in) {
   Output out;
   const int tokens = int(in.pages.size()) * in.geom.page_tokens;
-  out.logits.assign(kHeads, std::vector<double>(tokens, std::numeric_limits<double>::quiet_NaN()));
+  out.logits.assign(kMaxHeads,
+                    std::vector<double>(tokens, std::numeric_limits<double>::quiet_NaN()));
   for (auto& row : out.o) std::fill(std::begin(row), std::end(row), std::nanf(""));
   std::fill(std::begin(out.m), std::end(out.m), std::nanf(""));
   std::fill(std::begin(out.l), std::end(out.l), std::nanf(""));
@@ -171,6 +202,10 @@ Output RunWalk(const Input& in) {
   item.num_pages = int(table.size());
   EXPECT_EQ(in.walk_warps, kWalkWarps);
   const int cpp = in.geom.page_tokens / kTokensPerChunk;
+  constexpr int D = LogitMap<W>::kHeadDim;
+  EXPECT_EQ(in.geom.head_dim, D);
+  float sm_o[kMaxHeads][D];
+  for (auto& row : sm_o) std::fill(std::begin(row), std::end(row), std::nanf(""));
   warp_emulation::RunWarp([&](int lane) {
     W hw;
     hw.InitOffsets(in.geom, kHead, lane);
@@ -196,8 +231,9 @@ Output RunWalk(const Input& in) {
         }
       hw.Accumulate(x, lg);
     }
-    hw.Finish(in.g, out.o, out.m, out.l);
+    hw.Finish(in.g, sm_o, out.m, out.l);
   });
+  for (int hh = 0; hh < kMaxHeads; ++hh) std::copy(sm_o[hh], sm_o[hh] + D, out.o[hh]);
   return out;
 }
 
@@ -209,15 +245,17 @@ Output RunHistoryWarp(const Input& in) {
 // V of token t, dim d, dequantized from the page bytes (page_format.h).
 double ValueAt(const Input& in, int token, int d) {
   const PageGeometry& geom = in.geom;
+  const int D = geom.head_dim;
   const std::vector<uint8_t>& page = in.pages[token / geom.page_tokens];
   const int t = token % geom.page_tokens;
   const uint8_t byte = page[geom.codes_offset(kHead, 1) + size_t(t) * geom.code_row_bytes() +
-                            d % (kD / 4)];
+                            d % (D / 4)];
   uint32_t params;
-  std::memcpy(&params, &page[geom.params_offset(kHead, 1) + size_t(t) * 4], 4);
+  const size_t at = (size_t(t) * geom.groups() + d / geom.group_size) * 4;
+  std::memcpy(&params, &page[geom.params_offset(kHead, 1) + at], 4);
   const double scale = Fp16ToFloat(static_cast<fp16_bits>(params & 0xffffu));
   const double min = Fp16ToFloat(static_cast<fp16_bits>(params >> 16));
-  return UnpackCode(byte, d / (kD / 4)) * scale + min;
+  return UnpackCode(byte, d / (D / 4)) * scale + min;
 }
 
 struct Errors {
@@ -227,8 +265,9 @@ struct Errors {
 // The warp's result against the fp64 softmax over its own logits.
 Errors CompareWithFp64(const Input& in, const Output& out) {
   Errors err;
+  const int D = in.geom.head_dim;
   const int tokens = int(in.pages.size()) * in.geom.page_tokens;
-  for (int hh = 0; hh < kHeads; ++hh) {
+  for (int hh = 0; hh < kMaxHeads; ++hh) {
     if (hh >= in.g) {
       // Heads past the group are not written.
       EXPECT_TRUE(std::isnan(out.o[hh][0]) && std::isnan(out.l[hh])) << "head " << hh;
@@ -244,16 +283,16 @@ Errors CompareWithFp64(const Input& in, const Output& out) {
         EXPECT_TRUE(std::isnan(out.logits[hh][t])) << "head " << hh << " token " << t;
       }
     }
-    std::vector<double> o(kD, 0.0);
+    std::vector<double> o(D, 0.0);
     double l = 0.0;
     for (int t = 0; t < tokens; ++t) {
       if (!Walked(in, t / kTokensPerChunk)) continue;
       const double w = std::exp2(out.logits[hh][t] - M);
       l += w;
-      for (int d = 0; d < kD; ++d) o[d] += w * ValueAt(in, t, d);
+      for (int d = 0; d < D; ++d) o[d] += w * ValueAt(in, t, d);
     }
     double num = 0.0, den = 0.0;
-    for (int d = 0; d < kD; ++d) {
+    for (int d = 0; d < D; ++d) {
       const double got = double(out.o[hh][d]) / out.l[hh];
       EXPECT_TRUE(std::isfinite(got)) << "head " << hh << " dim " << d;
       num += (got - o[d] / l) * (got - o[d] / l);
@@ -266,11 +305,11 @@ Errors CompareWithFp64(const Input& in, const Output& out) {
   return err;
 }
 
-double RelativeL2(const Output& a, const Output& b, int g) {
+double RelativeL2(const Output& a, const Output& b, int g, int D = kD) {
   double worst = 0.0;
   for (int hh = 0; hh < g; ++hh) {
     double num = 0.0, den = 0.0;
-    for (int d = 0; d < kD; ++d) {
+    for (int d = 0; d < D; ++d) {
       const double x = double(a.o[hh][d]) / a.l[hh], y = double(b.o[hh][d]) / b.l[hh];
       num += (x - y) * (x - y);
       den += y * y;
@@ -298,7 +337,8 @@ class HistoryWarpEmulationTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(HistoryWarpEmulationTest, MatchesFp64SoftmaxOverTheSamePages) {
   const Case& c = GetParam();
-  const Input in = MakeInput(c.g, c.pages, c.logits, c.zero_rows, 1000 + c.pages * 10 + c.g);
+  const Input in = MakeInput(c.g, c.pages, c.logits, c.zero_rows, 1000 + c.pages * 10 + c.g,
+                             kTokensPerChunk, kD, 1, LogitMap<Warp8>::Query());
   const Output o8 = RunHistoryWarp<Warp8>(in);
   const Output o12 = RunHistoryWarp<Warp12>(in);
   const Output o3 = RunHistoryWarp<Warp3>(in);
@@ -350,6 +390,30 @@ TEST(HistoryWarpEmulation, WarpOfFourWalksItsChunksOfTwoChunkPages) {
   EXPECT_LT(e12.o, kOutTol);
   EXPECT_LT(e8.l, kSumTol);
   EXPECT_LT(e12.l, kSumTol);
+}
+
+// HistoryWarp at the other shapes (head dims 64 / 256, 2 or 4 quantization
+// groups, 8 query heads per kv head; fp16 hi / lo query columns, bf16 hi /
+// lo P'): the warps variants 0 and 3 run there.
+template <int D, int NG, bool G8, bool kInt>
+void CheckHistoryWarp(const char* name, int g, int pages, Logits kind) {
+  using W = HistoryWarp<D, NG, G8, kInt>;
+  const Input in = MakeInput(g, pages, kind, true, 5000 + D + 10 * NG + g, kTokensPerChunk, D, NG,
+                             LogitMap<W>::Query());
+  const Errors e = CompareWithFp64(in, RunHistoryWarp<W>(in));
+  std::printf("%-34s o err %.2e  l err %.2e\n", name, e.o, e.l);
+  EXPECT_LT(e.o, kOutTol) << name;
+  EXPECT_LT(e.l, kSumTol) << name;
+}
+
+TEST(HistoryWarpEmulation, OtherShapesMatchFp64) {
+  CheckHistoryWarp<128, 1, false, false>("D128 G128 g4 fp16 q (variant 0)", 4, 6, Logits::kSpread);
+  CheckHistoryWarp<128, 2, true, false>("D128 G64 g8 fp16 q", 8, 4, Logits::kRising);
+  CheckHistoryWarp<128, 4, false, true>("D128 G32 g3 int q", 3, 4, Logits::kPeaky);
+  CheckHistoryWarp<64, 2, true, false>("D64 G32 g6", 6, 5, Logits::kSpread);
+  CheckHistoryWarp<64, 1, false, false>("D64 G64 g2", 2, 3, Logits::kRising);
+  CheckHistoryWarp<256, 4, false, false>("D256 G64 g4", 4, 3, Logits::kSpread);
+  CheckHistoryWarp<256, 1, true, false>("D256 G256 g8", 8, 3, Logits::kPeaky);
 }
 
 // The emulation's own operations on known values, so that a wrong lane
