@@ -60,9 +60,10 @@ namespace cuda_attend {
 //     s_V) − m), the max riding in the same shuffle steps as the logits' max
 //     (log2 s_V is taken when the scales arrive, off the chain), instead of
 //     a second 3-step reduction after the exponentials. lg + log2 s_V rounds
-//     at the logit's magnitude, so S can be a few ulp(|lg|)·ln 2 below the
-//     largest P': the digit clamp at 65535 bounds that token (at |lg| ~ 1000,
-//     about one digit unit of 65535);
+//     at the logit's magnitude, so S can be ulp(|lg|)·ln 2 / 2 below the
+//     largest P' (2e-5 of it at |lg| ~ 1000): P' is kept in units of
+//     S / 65531, 4 below the digits' range, so such a P' still fits (the
+//     digit clamp at 65535 bounds anything beyond);
 //   - 1/S by rcp.approx, not a range-checked division;
 //   - cumulative code masks in P·V: field k's MMA takes the byte's fields
 //     0..k (masks 0x03, 0x0F, 0x3F, none: the last needs no AND), and Finish
@@ -316,10 +317,13 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       for (int off = 4; off <= 16; off <<= 1) smax = fmaxf(smax, __shfl_xor_sync(kFull, smax, off));
     }
     // An S too small to matter (p negligible against l >= 1) drops the
-    // chunk's P' terms.
+    // chunk's P' terms. kShortChain: S in kUnits units, 4 below the digits'
+    // range, so a max P' up to 6e-5 above S (S's rounding, at logits up to
+    // |lg| ~ 2900) still fits without the clamp.
+    constexpr float kUnits = kShortChain ? kFixedMax - 4.0f : kFixedMax;
     const bool live = smax >= 1e-30f;
-    const float scl = live ? smax * (1.0f / kFixedMax) : 0.0f;
-    const float inv = !live ? 0.0f : kShortChain ? kFixedMax * FastRcp(smax)
+    const float scl = live ? smax * (1.0f / kUnits) : 0.0f;
+    const float inv = !live ? 0.0f : kShortChain ? kUnits * FastRcp(smax)
                                                  : __fdividef(kFixedMax, smax);
     uint32_t pb[2];
 #pragma unroll
@@ -336,7 +340,8 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
     AddCodeProducts(x, scl, [&](const uint32_t(&a)[4]) {
       int acc[4];
       ImmaU8U8(acc, a[0], a[1], a[2], a[3], pb[0], pb[1]);
-      // Exact in int32: |acc| <= 32 · 192 · 255, so 256·acc + acc' < 2^31.
+      // Exact in int32: |acc| <= 32 · 192 · 255 (kShortChain: 32 · 255 · 255),
+      // so 256·acc + acc' < 2^31.
       return make_float2(static_cast<float>(acc[0] * 256 + acc[1]),
                          static_cast<float>(acc[2] * 256 + acc[3]));
     });

@@ -127,7 +127,9 @@ class AttendLauncher {
   //       S from the logits' max reduction, 1/S by rcp.approx, cumulative
   //       V code masks; HistoryWarpIntPv's kShortChain) and the service loop
   //       compiled without the benchmark's ablation tests (D = 128, G = D,
-  //       <= 4 query heads per kv head; else 3). Written 2026-12-01 without
+  //       <= 4 query heads per kv head; other shapes run what 3 runs there).
+  //       Its P' is kept in units of S / 65531, so that S's rounding (it is
+  //       computed from lg + log2 s_V) never clamps a digit. Written 2026-12-01 without
   //       a GPU: compiled and its SASS read on the dev VM (RESULTS run 23),
   //       not yet run; the default stays 8 until it is tested and timed.
   // Takes effect at the next Prepare(). The environment variable

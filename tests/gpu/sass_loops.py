@@ -34,10 +34,17 @@ itself is not touched. Cubins with the old header go through unchanged;
 other ELF files and architectures above sm_90 (unknown to CUDA 11.8) are
 refused.
 
-What a loop is here: a branch (BRA, any predicate) to an address at or
-before its own, excluding a branch to itself (the trap loop at a kernel's
-end). Its body is [target, branch]; nested loops are listed each with their
-own counts, inner ones inside the outer ones' counts.
+What a loop is here: an address that some direct branch (BRA, any predicate
+or form) jumps back to, excluding a branch to itself (the trap loop at a
+kernel's end); the loop runs from there to its last backward branch (a
+loop with several back edges is one loop). Nested loops are listed each
+with their own counts, inner ones inside the outer ones' counts. Branch
+targets are read from the encoding.
+
+Instructions CUDA 11.8's nvdisasm cannot decode (some of the opcodes CUDA
+12+ emits for sm_90, e.g. 0x836 and 0x848) are counted too, as ?836 etc. (the
+low 12 bits of their encoding), so loop sizes are whole; the kernel's line
+says how many there are.
 """
 
 import argparse
@@ -117,7 +124,7 @@ def sections(data):
 
 
 EIATTR_REGCOUNT = 0x2F
-EIFMT_SVAL, EIFMT_HVAL, EIFMT_BVAL = 4, 3, 2
+EIFMT_SVAL = 4  # (format, attribute, u16 size, size bytes); the other formats take 4 bytes
 
 
 def register_counts(data, secs):
@@ -137,10 +144,8 @@ def register_counts(data, secs):
                     sym, regs = struct.unpack_from("<II", data, p + 4)
                     out[sym] = regs
                 p += 4 + n
-            elif fmt == EIFMT_HVAL:
-                p += 4
             else:
-                p += 2
+                p += 4
     return out
 
 
@@ -170,24 +175,69 @@ def demangle(names):
 
 SECTION_RE = re.compile(r"^\s*\.section\s+\.text\.([^,\s]+)")
 LABEL_RE = re.compile(r"^(\.L_x_\d+):")
-INSN_RE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;?\s*$")
+HEX_RE = re.compile(r"/\* (0x[0-9a-f]{16}) \*/")
+INSN_RE = re.compile(r"^\s*/\*([0-9a-f]+)\*/\s+(.*?)\s*;?\s*/\* 0x[0-9a-f]{16} \*/")
 PRED_RE = re.compile(r"^@!?U?P[T0-9]+\s+")
-BRANCH_RE = re.compile(r"^BRA(\.[A-Z.]+)?\s+`\((\.L_x_\d+)\)")
+# BRA, BRA.U, BRA.DIV UR4, ... : a direct branch to a label.
+BRANCH_RE = re.compile(r"^BRA(\.[A-Z0-9.]+)?\s+(?:[^`]*,\s*)?`\((\.L_x_\d+)\)")
 
 
-def parse_sass(text):
-    """{kernel: [(address, opcode with modifiers, branch target label or None)],
-    label addresses} from nvdisasm's output."""
+class Insn(collections.namedtuple("Insn", "addr opcode target")):
+    """One instruction: its address, its opcode with modifiers ('?836' for one
+    this nvdisasm cannot decode: the low 12 bits of its encoding), and for a
+    direct branch the address it jumps to (else None)."""
+
+
+def branch_offset(w0, w1):
+    """The byte offset (from the next instruction) of a Volta-to-Hopper BRA,
+    from its two encoding words: offset bits 2-9 in bits 16-23, offset bits
+    10 and up (signed) in bits 34-81. Checked against nvdisasm's labels."""
+    v = w0 | (w1 << 64)
+    hi = (v >> 34) & ((1 << 48) - 1)
+    if hi >= 1 << 47:
+        hi -= 1 << 48
+    return (hi << 10) | (((v >> 16) & 0xFF) << 2)
+
+
+def parse_sass(text, warn=None):
+    """{kernel: [Insn]} from `nvdisasm -c -hex` output. CUDA 11.8's nvdisasm
+    leaves out the instructions it cannot decode (some of CUDA 12+'s sm_90
+    opcodes: 0x836, 0x848, ...), printing only their two encoding words; they
+    are kept here, at their addresses, under their opcode bits. Branch
+    targets come from the encoding, not from the labels (nvdisasm omits or
+    misplaces labels at undecoded instructions); a target that disagrees with
+    its label by more than one instruction is reported through `warn`."""
     kernels = collections.OrderedDict()
-    labels = {}
     current = None
-    pending = []
+    pending, labels = [], {}
+    insns, raw = [], []  # raw: [w0, w1, branch label] per instruction
+    expect_second = False
+    next_addr = 0
+
+    def finish():
+        if current is None:
+            return
+        out = []
+        for (addr, opcode), (w0, w1, label) in zip(insns, raw):
+            target = None
+            if label is not None and w1 is not None:
+                target = addr + 16 + branch_offset(w0, w1)
+                at = labels.get(label)
+                if at is not None and abs(at - target) > 16:
+                    if warn:
+                        warn("branch at 0x%x in %s: encoded target 0x%x, label 0x%x (taking the label)"
+                             % (addr, current, target, at))
+                    target = at
+            out.append(Insn(addr, opcode, target))
+        kernels[current] = out
+
     for line in text.splitlines():
         m = SECTION_RE.match(line)
         if m:
+            finish()
             current = m.group(1)
-            kernels[current] = []
-            pending = []
+            pending, labels, insns, raw = [], {}, [], []
+            expect_second, next_addr = False, 0
             continue
         if current is None:
             continue
@@ -195,39 +245,50 @@ def parse_sass(text):
         if m:
             pending.append(m.group(1))
             continue
+        h = HEX_RE.search(line)
+        if not h:
+            continue
+        word = int(h.group(1), 16)
         m = INSN_RE.match(line)
-        if not m:
+        if m:
+            addr = int(m.group(1), 16)
+            body = PRED_RE.sub("", m.group(2).strip())
+            opcode = body.split()[0].rstrip(";") if body else "?"
+            b = BRANCH_RE.match(body)
+            label = b.group(2) if b else None
+        elif expect_second:
+            raw[-1][1] = word  # the second word of the instruction before
+            expect_second = False
             continue
-        addr = int(m.group(1), 16)
-        body = PRED_RE.sub("", m.group(2).strip())
-        if not body:
-            continue
-        for label in pending:
-            labels[(current, label)] = addr
+        else:
+            addr, opcode, label = next_addr, "?%03x" % (word & 0xFFF), None  # undecoded
+        for name in pending:
+            labels[name] = addr
         pending = []
-        opcode = body.split()[0].rstrip(";")
-        b = BRANCH_RE.match(body)
-        kernels[current].append((addr, opcode, b.group(2) if b else None))
-    return kernels, labels
+        insns.append((addr, opcode))
+        raw.append([word, None, label])
+        expect_second = True
+        next_addr = addr + 16
+    finish()
+    return kernels
 
 
-def find_loops(kernel, insns, labels):
-    """[(start, end)] address ranges of the loops of one kernel, by start."""
-    loops = set()
-    for addr, _op, target in insns:
-        if target is None:
-            continue
-        dest = labels.get((kernel, target))
-        if dest is not None and dest < addr:
-            loops.add((dest, addr))
-    return sorted(loops, key=lambda r: (r[0], -r[1]))
+def find_loops(insns):
+    """[(head, end, back_edges)] of one kernel's loops, by head: each address
+    some backward branch jumps to (not a branch to itself) is a loop head,
+    ending at its last backward branch."""
+    ends = collections.defaultdict(list)
+    for insn in insns:
+        if insn.target is not None and insn.target < insn.addr:
+            ends[insn.target].append(insn.addr)
+    return sorted((head, max(e), len(e)) for head, e in ends.items())
 
 
 def opcode_counts(insns, start, end, modifiers):
     counts = collections.Counter()
-    for addr, op, _t in insns:
-        if start <= addr <= end:
-            counts[op if modifiers else op.split(".")[0]] += 1
+    for insn in insns:
+        if start <= insn.addr <= end:
+            counts[insn.opcode if modifiers else insn.opcode.split(".")[0]] += 1
     return counts
 
 
@@ -238,7 +299,7 @@ def disassemble(path, nvdisasm):
     with tempfile.NamedTemporaryFile(suffix=".cubin") as tmp:
         tmp.write(fixed)
         tmp.flush()
-        res = subprocess.run([nvdisasm, "-c", tmp.name], capture_output=True, text=True)
+        res = subprocess.run([nvdisasm, "-c", "-hex", tmp.name], capture_output=True, text=True)
     if res.returncode != 0:
         raise CubinError("nvdisasm failed: " + res.stderr.strip())
     return data, res.stdout
@@ -260,25 +321,35 @@ def format_counts(counts):
     return "  ".join("%s %d" % (op, n) for op, n in sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
 
 
-def report(path, nvdisasm, patterns, modifiers, out):
+def report(path, nvdisasm, patterns, modifiers, out, warn=None):
     data, text = disassemble(path, nvdisasm)
-    regs = {k: r for k, (_b, r) in kernel_texts(data).items()}
-    kernels, labels = parse_sass(text)
+    texts = kernel_texts(data)
+    kernels = parse_sass(text, warn)
     names = demangle(kernels.keys())
     shown = 0
     for kernel, insns in kernels.items():
         if not selected(kernel, names[kernel], patterns):
             continue
         shown += 1
-        out.write("== %s\n   %d registers, %d instructions\n" % (names[kernel], regs.get(kernel, 0), len(insns)))
-        loops = find_loops(kernel, insns, labels)
+        code, regs = texts.get(kernel, (b"", 0))
+        undecoded = sum(1 for i in insns if i.opcode.startswith("?"))
+        out.write("== %s\n   %d registers, %d instructions" % (names[kernel], regs, len(insns)))
+        if undecoded:
+            out.write(" (%d not decoded by this nvdisasm: counted as ?OPC, the encoding's low 12 bits)"
+                      % undecoded)
+        out.write("\n")
+        if code and len(insns) * 16 != len(code) and warn:
+            warn("%s: %d instructions read, the .text section holds %d"
+                 % (names[kernel], len(insns), len(code) // 16))
+        loops = find_loops(insns)
         if not loops:
             out.write("   no loops\n")
-        for i, (start, end) in enumerate(loops):
-            depth = sum(1 for s, e in loops if s <= start and end <= e and (s, e) != (start, end))
+        for i, (start, end, edges) in enumerate(loops):
+            depth = sum(1 for s, e, _n in loops if s <= start and end <= e and (s, e) != (start, end))
             counts = opcode_counts(insns, start, end, modifiers)
-            out.write("   loop %d [0x%x, 0x%x] depth %d: %d instructions\n      %s\n"
-                      % (i + 1, start, end, depth, sum(counts.values()), format_counts(counts)))
+            out.write("   loop %d [0x%x, 0x%x] depth %d, %d back edge%s: %d instructions\n      %s\n"
+                      % (i + 1, start, end, depth, edges, "" if edges == 1 else "s",
+                         sum(counts.values()), format_counts(counts)))
     if shown == 0:
         out.write("no kernel matches\n")
     return shown
@@ -301,6 +372,8 @@ def compare(path_a, path_b, patterns, out, renames=()):
         readable = names[k]
         for pattern, repl in renames:
             readable = pattern.sub(repl, readable)
+        if readable in b:
+            raise CubinError("--rename maps two kernels of %s to %s" % (path_b, readable))
         b[readable] = v
     same = differ = 0
     for k in sorted(set(a) | set(b)):
@@ -334,7 +407,8 @@ def main(argv):
                     help="compare the machine code of two cubins' kernels (needs no nvdisasm)")
     ap.add_argument("--rename", nargs=2, action="append", default=[], metavar=("REGEX", "REPL"),
                     help="with --compare: rewrite the second cubin's readable kernel names "
-                         "before pairing them (repeatable), e.g. --rename '(SplitKernel<.*), false>\\(' '\\1>(' "
+                         "(demangled by c++filt when it is on PATH) before pairing them "
+                         "(repeatable), e.g. --rename '(SplitKernel<.*), false>\\(' '\\1>(' "
                          "for a template that gained a defaulted parameter")
     args = ap.parse_args(argv)
     try:
@@ -354,7 +428,8 @@ def main(argv):
             sys.stderr.write("sass_loops: no nvdisasm found (--nvdisasm, $NVDISASM or PATH); "
                              "see --help's file for how to get CUDA 11.8's\n")
             return 2
-        report(args.cubin[0], nvdisasm, patterns, args.modifiers, sys.stdout)
+        report(args.cubin[0], nvdisasm, patterns, args.modifiers, sys.stdout,
+               warn=lambda msg: sys.stderr.write("sass_loops: warning: %s\n" % msg))
         return 0
     except (OSError, CubinError) as e:
         sys.stderr.write("sass_loops: %s\n" % e)

@@ -262,8 +262,9 @@ float FastExp2(float x) {
 }
 
 float FastLog2(float x) {
-  if (std::isnan(x) || x < 0.0f) return NAN;
-  if (x < FLT_MIN) return -INFINITY;  // 0 and subnormals (.ftz)
+  if (std::isnan(x)) return NAN;
+  if (std::fabs(x) < FLT_MIN) return -INFINITY;  // ±0 and subnormals flush to 0 (.ftz)
+  if (x < 0.0f) return NAN;
   return std::log2(x);
 }
 

@@ -9,11 +9,16 @@
 // .approx, the fp16 / bf16 code-pair subtractions) in plain C++. Fragment
 // layouts are those of the PTX ISA for mma.m16n8k16 (f16 / bf16) and
 // mma.m16n8k32 (u8 / s8); the approximate MUFU functions are computed to
-// float precision (the hardware's are within ~2 ulp of them).
+// float precision (the hardware's ex2 and rcp are within ~2 ulp of them,
+// its lg2 within ~2^-22 absolute).
 //
 // What it is not: a timing model, or a check of anything outside one warp
 // (blocks, shared memory between warps, the launches). Kernels are not run;
 // the tests drive a warp's structs (ChunkLoads, HistoryWarpIntPv) directly.
+// Nor is it a second source for the fragment layouts: an emulated layout
+// that were wrong the same way as a kernel's would pass. The P·V layouts
+// are checked by the default warp matching fp64 as it does on the H200; the
+// q·K side is not (the tests take the warps' own logits).
 //
 //   oscarkv::warp_emulation::RunWarp([&](int lane) { ...warp code... });
 #ifndef OSCARKV_TESTS_GPU_WARP_EMULATION_H_
