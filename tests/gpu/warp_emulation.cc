@@ -123,6 +123,49 @@ int __any_sync(unsigned /*mask*/, int predicate) {
 
 void __syncwarp(unsigned /*mask*/) { oscarkv::warp_emulation::SyncWarp(); }
 
+unsigned __ballot_sync(unsigned /*mask*/, int predicate) {
+  const auto all = Exchange<int>(predicate != 0);
+  unsigned bits = 0;
+  for (int l = 0; l < kLanes; ++l) bits |= all[l] ? 1u << l : 0u;
+  return bits;
+}
+
+namespace {
+template <class T, class Op>
+T Reduce(T value, Op op) {
+  const auto all = Exchange(value);
+  T acc = all[0];
+  for (int l = 1; l < kLanes; ++l) acc = op(acc, all[l]);
+  return acc;
+}
+}  // namespace
+
+unsigned __reduce_max_sync(unsigned, unsigned v) {
+  return Reduce(v, [](unsigned a, unsigned b) { return a > b ? a : b; });
+}
+int __reduce_max_sync(unsigned, int v) {
+  return Reduce(v, [](int a, int b) { return a > b ? a : b; });
+}
+int __reduce_min_sync(unsigned, int v) {
+  return Reduce(v, [](int a, int b) { return a < b ? a : b; });
+}
+unsigned __reduce_min_sync(unsigned, unsigned v) {
+  return Reduce(v, [](unsigned a, unsigned b) { return a < b ? a : b; });
+}
+int __reduce_add_sync(unsigned, int v) {
+  return static_cast<int>(Reduce(static_cast<unsigned>(v), [](unsigned a, unsigned b) { return a + b; }));
+}
+unsigned __reduce_add_sync(unsigned, unsigned v) {
+  return Reduce(v, [](unsigned a, unsigned b) { return a + b; });
+}
+
+int __float2int_rn(float x) {
+  if (std::isnan(x)) return 0;
+  if (x >= 2147483647.0f) return 2147483647;
+  if (x <= -2147483648.0f) return -2147483647 - 1;
+  return static_cast<int>(std::nearbyint(x));  // ties to even (default mode)
+}
+
 unsigned int __float2uint_rn(float x) {
   if (std::isnan(x) || x <= 0.0f) return 0u;
   if (x >= 4294967295.0f) return 0xffffffffu;

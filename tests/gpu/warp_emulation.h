@@ -94,6 +94,20 @@ T __shfl_xor_sync(unsigned /*mask*/, T var, int lane_mask, int /*width*/ = 32) {
   return oscarkv::warp_emulation::Exchange(var)[(oscarkv::warp_emulation::Lane() ^ lane_mask) & 31];
 }
 int __any_sync(unsigned mask, int predicate);
+unsigned __ballot_sync(unsigned mask, int predicate);
+unsigned __reduce_max_sync(unsigned mask, unsigned value);
+int __reduce_max_sync(unsigned mask, int value);
+int __reduce_min_sync(unsigned mask, int value);
+unsigned __reduce_min_sync(unsigned mask, unsigned value);
+int __reduce_add_sync(unsigned mask, int value);
+unsigned __reduce_add_sync(unsigned mask, unsigned value);
+template <class T>
+T __shfl_down_sync(unsigned /*mask*/, T var, unsigned delta, int /*width*/ = 32) {
+  const int src = oscarkv::warp_emulation::Lane() + int(delta);
+  const auto all = oscarkv::warp_emulation::Exchange(var);
+  return src < 32 ? all[src] : var;
+}
+inline int __popc(unsigned x) { return __builtin_popcount(x); }
 void __syncwarp(unsigned mask = 0xffffffffu);
 template <class T>
 T __ldg(const T* p) {
@@ -104,6 +118,22 @@ float __fdividef(float a, float b);
 float __frcp_rn(float x);
 inline uint32_t min(uint32_t a, uint32_t b) { return a < b ? a : b; }
 inline int min(int a, int b) { return a < b ? a : b; }
+inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }
+inline int max(int a, int b) { return a > b ? a : b; }
+int __float2int_rn(float x);  // ties to even; NaN -> 0; saturating
+inline float __fsub_rn(float a, float b) { return a - b; }
+inline float __fadd_rn(float a, float b) { return a + b; }
+inline float __fmul_rn(float a, float b) { return a * b; }
+inline int __float_as_int(float f) {
+  int i;
+  std::memcpy(&i, &f, 4);
+  return i;
+}
+inline float __int_as_float(int i) {
+  float f;
+  std::memcpy(&f, &i, 4);
+  return f;
+}
 inline float __uint_as_float(unsigned int u) {
   float f;
   std::memcpy(&f, &u, 4);
