@@ -263,17 +263,7 @@ __global__ void __launch_bounds__(cluster::kThreads, 12 / cluster::kWarpsPerBloc
   if (iters > 0) {
     hw.InitQuery(la, 0, 0, lane);
     // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in service.
-    const int ablate = a.ablate;
-    const bool loads = !(ablate & 4);
-    int it = 0;
-    while (true) {
-      ProcessChunk(hw, ra, ablate);
-      if (++it >= iters) break;
-      if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
-      ProcessChunk(hw, rb, ablate);
-      if (++it >= iters) break;
-      if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
-    }
+    RunDoubleBufferedChunks(hw, ra, rb, iters, a.ablate, page_of, in_page);
     hw.Finish(g, sm_o[warp], sm_m[warp], sm_l[warp]);
   }
   CombineWarpStates<D, HG, W, kThreadsB>(g, sm_o, sm_m, sm_l, part[0]);

@@ -543,6 +543,29 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
   }
 };
 
+// The register double buffer's loop over a warp's `iters` chunks (the split
+// kernel's and the cluster kernel's): chunk it is in ra (even it) or rb (odd
+// it), loaded one chunk ahead; ra holds chunk 0 and rb chunk 1 when it
+// starts. page_of(it) / in_page(it): the page and chunk-in-page of
+// iteration it (page_of is warp-collective). `ablate` is the benchmark's
+// (0 in service; bit 4 skips the loads).
+template <class W, class PageOf, class InPage>
+__device__ __forceinline__ void RunDoubleBufferedChunks(W& hw, typename W::Regs& ra,
+                                                        typename W::Regs& rb, int iters,
+                                                        int ablate, PageOf page_of,
+                                                        InPage in_page) {
+  const bool loads = !(ablate & 4);
+  int it = 0;
+  while (true) {
+    ProcessChunk(hw, ra, ablate);
+    if (++it >= iters) break;
+    if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
+    ProcessChunk(hw, rb, ablate);
+    if (++it >= iters) break;
+    if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
+  }
+}
+
 // W::Process(x), or for benchmarks only (wrong results, ablate != 0): bit 1
 // skips q·K (logits from the raw K params), bit 2 skips the softmax and P·V
 // (the logits and V bytes are only summed into W::AblationSink()), so the

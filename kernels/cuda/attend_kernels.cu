@@ -264,30 +264,19 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         Trace(trace, blockIdx.x, kTraceWaited);
         if (iters > 0) {
           hw.InitQuery(a, wu.item, wu.kv_head, lane);
-          int it = 0;
           if constexpr (kPrefetch) {
             // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in service.
-            auto run_chunks = [&](const int ablate) {
-              const bool loads = !(ablate & 4);
-              while (true) {
-                ProcessChunk(hw, ra, ablate);
-                if (++it >= iters) break;
-                if (loads && it + 1 < iters) hw.Load(ra, page_of(it + 1), in_page(it + 1));
-                ProcessChunk(hw, rb, ablate);
-                if (++it >= iters) break;
-                if (loads && it + 1 < iters) hw.Load(rb, page_of(it + 1), in_page(it + 1));
-              }
-            };
             if constexpr (kShortChain) {
               if (a.ablate == 0) {
-                run_chunks(0);
+                RunDoubleBufferedChunks(hw, ra, rb, iters, 0, page_of, in_page);
               } else {
-                run_chunks(a.ablate);
+                RunDoubleBufferedChunks(hw, ra, rb, iters, a.ablate, page_of, in_page);
               }
             } else {
-              run_chunks(a.ablate);
+              RunDoubleBufferedChunks(hw, ra, rb, iters, a.ablate, page_of, in_page);
             }
           } else {
+            int it = 0;
             while (true) {
               hw.Process(ra);
               if (++it >= iters) break;

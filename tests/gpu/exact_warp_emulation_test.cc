@@ -21,6 +21,7 @@
 #include "kernels/cuda/attend_exact.cuh"
 #include "kernels/numeric.h"
 #include "kernels/page_format.h"
+#include "tests/gpu/softmax_check.h"
 
 namespace oscarkv {
 namespace {
@@ -67,18 +68,12 @@ Input MakeInput(int D, int g, std::vector<int> tokens, int warp, bool peaky, uin
   return in;
 }
 
-struct Output {
-  float o[8][256];
-  float m[8], l[8];
-};
+using Output = FinishedState;
 
 template <int D, int HG>
 Output RunExactWarp(const Input& in) {
   using Ex = ExactWarp<D, HG>;
   Output out;
-  for (auto& row : out.o) std::fill(std::begin(row), std::end(row), std::nanf(""));
-  std::fill(std::begin(out.m), std::end(out.m), std::nanf(""));
-  std::fill(std::begin(out.l), std::end(out.l), std::nanf(""));
   LaunchArgs a = {};
   a.geom = in.geom;
   a.g = in.g;
@@ -104,9 +99,7 @@ Output RunExactWarp(const Input& in) {
   return out;
 }
 
-struct Errors {
-  double o = 0.0, l = 0.0;
-};
+using Errors = SoftmaxErrors;  // the worst head's
 
 // Against fp64 over the warp's tokens of each block.
 Errors CompareWithFp64(const Input& in, const Output& out) {
@@ -127,24 +120,12 @@ Errors CompareWithFp64(const Input& in, const Output& out) {
         vrows.push_back(k + size_t(kPageTokens) * row_elems);
       }
     }
-    const double M = *std::max_element(lg.begin(), lg.end());
-    std::vector<double> o(D, 0.0);
-    double l = 0.0;
-    for (size_t i = 0; i < lg.size(); ++i) {
-      const double w = std::exp2(lg[i] - M);
-      l += w;
-      for (int d = 0; d < D; ++d) o[d] += w * Bf16ToFloat(vrows[i][d]);
-    }
-    double num = 0.0, den = 0.0;
-    for (int d = 0; d < D; ++d) {
-      const double got = double(out.o[hh][d]) / out.l[hh];
-      EXPECT_TRUE(std::isfinite(got)) << "head " << hh << " dim " << d;
-      num += (got - o[d] / l) * (got - o[d] / l);
-      den += (o[d] / l) * (o[d] / l);
-    }
-    err.o = std::max(err.o, std::sqrt(num / den));
-    const double l_got = double(out.l[hh]) * std::exp2(double(out.m[hh]) - M);
-    err.l = std::max(err.l, std::fabs(l_got - l) / l);
+    SCOPED_TRACE(testing::Message() << "head " << hh);
+    const SoftmaxErrors e = CompareWithSoftmax(
+        lg, [&](size_t i, int d) { return double(Bf16ToFloat(vrows[i][d])); }, D, out.o[hh],
+        out.m[hh], out.l[hh]);
+    err.o = std::max(err.o, e.o);
+    err.l = std::max(err.l, e.l);
   }
   for (int hh = in.g; hh < 8; ++hh) EXPECT_TRUE(std::isnan(out.l[hh])) << "head " << hh;
   return err;

@@ -34,6 +34,7 @@
 #include "kernels/cuda/attend_history_int.cuh"
 #include "kernels/numeric.h"
 #include "kernels/page_format.h"
+#include "tests/gpu/softmax_check.h"
 
 namespace oscarkv {
 namespace {
@@ -172,10 +173,39 @@ struct LogitMap<HistoryWarp<D, NG, G8, kInt>> {
   }
 };
 
-struct Output {
+struct Output : FinishedState {
   std::vector<std::vector<double>> logits;  // [head][token]
-  float o[kMaxHeads][kMaxD];
-  float m[kMaxHeads], l[kMaxHeads];
+};
+static_assert(kMaxHeads <= 8 && kMaxD <= 256, "FinishedState's size");
+
+// A history warp that records the logits of each chunk it processes (the
+// warp's iteration it is chunk pages.ChunkOf(it)), for the fp64 reference.
+template <class W, int kWalkWarps>
+struct Recorder {
+  using Regs = typename W::Regs;
+  static constexpr int kLogitsPerTile = W::kLogitsPerTile;
+  W& hw;
+  cuda_attend::WarpPages<kWalkWarps>& pages;
+  int g, lane;
+  std::vector<std::vector<double>>& logits;  // [head][token]
+  int it = 0;
+
+  void Load(Regs& x, const uint8_t* page, int chunk) const { hw.Load(x, page, chunk); }
+  void Logits(const Regs& x, float (&lg)[2][kLogitsPerTile]) const { hw.Logits(x, lg); }
+  void Accumulate(const Regs& x, const float (&lg)[2][kLogitsPerTile]) { hw.Accumulate(x, lg); }
+  float& AblationSink() { return hw.AblationSink(); }
+  void Process(const Regs& x) {
+    float lg[2][kLogitsPerTile];
+    hw.Logits(x, lg);
+    const int chunk = pages.ChunkOf(it++);
+    for (int tau = 0; tau < 2; ++tau)
+      for (int e = 0; e < kLogitsPerTile; ++e) {
+        int head, token;
+        LogitMap<W>::At(lane, tau, e, &head, &token);
+        if (head >= 0 && head < g) logits[head][chunk * kTokensPerChunk + token] = lg[tau][e];
+      }
+    hw.Accumulate(x, lg);
+  }
 };
 
 int NumChunks(const Input& in) {
@@ -185,17 +215,15 @@ int NumChunks(const Input& in) {
 // Whether the input's warp takes chunk `chunk` (Input::walk_warps).
 bool Walked(const Input& in, int chunk) { return chunk % in.walk_warps == in.walk_warp; }
 
-// One warp over its chunks of the input, as the split kernel's loop runs
-// them (WarpPages for the page of each, Load, Logits, Accumulate), then Finish.
+// One warp over its chunks of the input as the split kernel runs them
+// (WarpPages for the pages, the first two chunks loaded, then
+// RunDoubleBufferedChunks), then Finish.
 template <class W, int kWalkWarps>
 Output RunWalk(const Input& in) {
   Output out;
   const int tokens = int(in.pages.size()) * in.geom.page_tokens;
   out.logits.assign(kMaxHeads,
                     std::vector<double>(tokens, std::numeric_limits<double>::quiet_NaN()));
-  for (auto& row : out.o) std::fill(std::begin(row), std::end(row), std::nanf(""));
-  std::fill(std::begin(out.m), std::end(out.m), std::nanf(""));
-  std::fill(std::begin(out.l), std::end(out.l), std::nanf(""));
   LaunchArgs a = {};
   a.geom = in.geom;
   a.g = in.g;
@@ -219,25 +247,17 @@ Output RunWalk(const Input& in) {
     cuda_attend::WarpPages<kWalkWarps> pages(item, /*first=*/0, NumChunks(in), cpp, in.walk_warp,
                                               lane);
     hw.InitQuery(a, /*item=*/0, kHead, lane);
-    constexpr int E = LogitMap<W>::E;
+    // The kernels' own loop (RunDoubleBufferedChunks over the register
+    // double buffer, as the split and cluster kernels run it), through a
+    // warp that records each chunk's logits between Logits and Accumulate.
+    Recorder<W, kWalkWarps> rec{hw, pages, in.g, lane, out.logits};
+    auto page_of = [&](int it) { return pages.Page(it); };
+    auto in_page = [&](int it) { return pages.InPage(it); };
     const int iters = pages.Iterations();
-    for (int it = 0; it < iters; ++it) {
-      const uint8_t* page = pages.Page(it);
-      const int chunk = pages.ChunkOf(it);
-      typename W::Regs x;
-      hw.Load(x, page, pages.InPage(it));
-      float lg[2][E];
-      hw.Logits(x, lg);
-      for (int tau = 0; tau < 2; ++tau)
-        for (int e = 0; e < E; ++e) {
-          int head, token;
-          LogitMap<W>::At(lane, tau, e, &head, &token);
-          if (head >= 0 && head < in.g) {
-            out.logits[head][chunk * kTokensPerChunk + token] = lg[tau][e];
-          }
-        }
-      hw.Accumulate(x, lg);
-    }
+    typename W::Regs ra, rb;
+    if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
+    if (iters > 1) hw.Load(rb, page_of(1), in_page(1));
+    if (iters > 0) cuda_attend::RunDoubleBufferedChunks(rec, ra, rb, iters, 0, page_of, in_page);
     hw.Finish(in.g, sm_o, out.m, out.l);
   });
   for (int hh = 0; hh < kMaxHeads; ++hh) std::copy(sm_o[hh], sm_o[hh] + D, out.o[hh]);
@@ -265,9 +285,7 @@ double ValueAt(const Input& in, int token, int d) {
   return UnpackCode(byte, d / (D / 4)) * scale + min;
 }
 
-struct Errors {
-  double o = 0.0, l = 0.0;  // worst head's relative L2 error of o and relative error of l
-};
+using Errors = SoftmaxErrors;  // the worst head's
 
 // The warp's result against the fp64 softmax over its own logits.
 Errors CompareWithFp64(const Input& in, const Output& out) {
@@ -281,33 +299,23 @@ Errors CompareWithFp64(const Input& in, const Output& out) {
       continue;
     }
     // The warp's tokens have logits, and only those.
-    double M = -INFINITY;
+    SCOPED_TRACE(testing::Message() << "head " << hh);
+    std::vector<double> logits;
+    std::vector<int> token_of;
     for (int t = 0; t < tokens; ++t) {
       if (Walked(in, t / kTokensPerChunk)) {
-        EXPECT_TRUE(std::isfinite(out.logits[hh][t])) << "head " << hh << " token " << t;
-        M = std::max(M, out.logits[hh][t]);
+        EXPECT_TRUE(std::isfinite(out.logits[hh][t])) << "token " << t;
+        logits.push_back(out.logits[hh][t]);
+        token_of.push_back(t);
       } else {
-        EXPECT_TRUE(std::isnan(out.logits[hh][t])) << "head " << hh << " token " << t;
+        EXPECT_TRUE(std::isnan(out.logits[hh][t])) << "token " << t;
       }
     }
-    std::vector<double> o(D, 0.0);
-    double l = 0.0;
-    for (int t = 0; t < tokens; ++t) {
-      if (!Walked(in, t / kTokensPerChunk)) continue;
-      const double w = std::exp2(out.logits[hh][t] - M);
-      l += w;
-      for (int d = 0; d < D; ++d) o[d] += w * ValueAt(in, t, d);
-    }
-    double num = 0.0, den = 0.0;
-    for (int d = 0; d < D; ++d) {
-      const double got = double(out.o[hh][d]) / out.l[hh];
-      EXPECT_TRUE(std::isfinite(got)) << "head " << hh << " dim " << d;
-      num += (got - o[d] / l) * (got - o[d] / l);
-      den += (o[d] / l) * (o[d] / l);
-    }
-    err.o = std::max(err.o, std::sqrt(num / den));
-    const double l_got = double(out.l[hh]) * std::exp2(double(out.m[hh]) - M);
-    err.l = std::max(err.l, std::fabs(l_got - l) / l);
+    const SoftmaxErrors e = CompareWithSoftmax(
+        logits, [&](size_t i, int d) { return ValueAt(in, token_of[i], d); }, D, out.o[hh],
+        out.m[hh], out.l[hh]);
+    err.o = std::max(err.o, e.o);
+    err.l = std::max(err.l, e.l);
   }
   return err;
 }
@@ -386,11 +394,11 @@ INSTANTIATE_TEST_SUITE_P(
       return name;
     });
 
-// The split kernel's page walk: warp 3 of 4 over 2-chunk pages (P = 64),
+// The split kernel's page walk: warp 3 of 4 over 8-chunk pages (P = 256),
 // 34 iterations, so WarpPages refetches its lanes' page pointers (every 32
-// iterations) and InPage alternates.
-TEST(HistoryWarpEmulation, WarpOfFourWalksItsChunksOfTwoChunkPages) {
-  Input in = MakeInput(4, 68, Logits::kSpread, true, 77, /*page_tokens=*/64);
+// iterations) and the chunk within a page alternates (3, 7, 3, ...).
+TEST(HistoryWarpEmulation, WarpOfFourWalksItsChunksOfEightChunkPages) {
+  Input in = MakeInput(4, 17, Logits::kSpread, true, 77, /*page_tokens=*/256);
   in.walk_warps = 4;
   in.walk_warp = 3;
   const Output o8 = RunWalk<Warp8, 4>(in);
