@@ -76,8 +76,8 @@ struct Cfg {
 // The PTX-level operations (and the kernels' Trace and WarpIndex), from here
 // to FastRcp. With OSCARKV_WARP_EMULATION defined, a host emulation of one
 // warp (tests/gpu/warp_emulation.h, included first) defines the same
-// functions, so the history warps' code runs and is tested on the CPU; the
-// device code is the same either way.
+// functions, so the warps' code runs and is tested on the CPU; the device
+// code is the same either way.
 #if !defined(OSCARKV_WARP_EMULATION)
 
 // Records the time of `mark` in row `block` of `rows` (thread 0; nothing when

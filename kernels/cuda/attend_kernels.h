@@ -129,9 +129,11 @@ class AttendLauncher {
   //       compiled without the benchmark's ablation tests (D = 128, G = D,
   //       <= 4 query heads per kv head; other shapes run what 3 runs there).
   //       Its P' is kept in units of S / 65531, so that S's rounding (it is
-  //       computed from lg + log2 s_V) never clamps a digit. Written 2026-12-01 without
-  //       a GPU: compiled and its SASS read on the dev VM (RESULTS run 23),
-  //       not yet run; the default stays 8 until it is tested and timed.
+  //       computed from lg + log2 s_V) never clamps a digit. Written
+  //       2026-12-01 without a GPU: compiled, its SASS read and its warp
+  //       code tested through the host warp emulation on the dev VM
+  //       (RESULTS run 23), not yet run on a GPU; the default stays 8 until
+  //       it is tested and timed there.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
   static constexpr int kNumVariants = 13;
