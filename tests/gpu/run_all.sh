@@ -16,11 +16,12 @@
 # with everything on; SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests (~2 min).
 #
 # Environment: QUICK=1 (~5 min on the H200, 2026-11-29) runs the default
-# variant's attention tests in full, variants 0, 2, 3, 6, 10, 11 and 12 on D = 128
-# only (not 1, 4 and 7), the benchmark before the sanitizer, and a smaller
-# sanitizer set, 50 s at most each (memcheck, racecheck and initcheck of the
-# attention, memcheck of variant 12, synccheck of variant 10's stage ring, memcheck of the codec,
-# racecheck and synccheck of its roles kernel); SKIP_SANITIZER=1 skips
+# variant's attention tests in full, variants 0, 2, 3, 6, 10, 11 and 12 on
+# D = 128 only (not 1, 4 and 7), the benchmark before the sanitizer, and a
+# smaller sanitizer set, 50 s at most each (memcheck, racecheck and initcheck
+# of the attention, memcheck of variant 12, synccheck of variant 10's stage
+# ring, memcheck of the codec, racecheck and synccheck of its roles kernel);
+# SKIP_SANITIZER=1 skips
 # compute-sanitizer; SKIP_BENCH=1 skips
 # the benchmark and the PyTorch baseline; BENCH_ITERS (default 200);
 # BENCH_VARIANTS (e.g. 3,6: the split-kernel variants to time; default all);

@@ -1,10 +1,12 @@
-// A host emulation of one CUDA warp, for testing the attention kernels' warp
-// code (kernels/cuda/attend_history*.cuh) on a machine without a GPU.
+// A host emulation of one CUDA warp, for testing the kernels' warp-level code
+// (kernels/cuda/attend_history*.cuh, attend_exact.cuh, encode_rows.cuh) on a
+// machine without a GPU.
 //
 // Include this before any kernels/cuda header: it defines
 // OSCARKV_WARP_EMULATION, which makes attend_device.cuh leave out its PTX
 // operations, and defines the same operations here: the warp-collective ones
-// (shuffles, vote, movmatrix, mma.sync) across 32 host threads, one per lane,
+// (shuffles, vote, ballot, reductions, movmatrix, mma.sync) across 32 host
+// threads, one per lane,
 // that meet at every collective; the per-lane ones (prmt, ex2 / lg2 / rcp
 // .approx, the fp16 / bf16 code-pair subtractions) in plain C++. Fragment
 // layouts are those of the PTX ISA for mma.m16n8k16 (f16 / bf16) and
@@ -14,7 +16,8 @@
 //
 // What it is not: a timing model, or a check of anything outside one warp
 // (blocks, shared memory between warps, the launches). Kernels are not run;
-// the tests drive a warp's structs (ChunkLoads, HistoryWarpIntPv) directly.
+// the tests drive a warp's structs and helpers (WarpPages, ChunkLoads, the
+// history and exact warps, the encode's row helpers) directly.
 // Nor is it a second source for the fragment layouts: an emulated layout
 // that were wrong the same way as a kernel's would pass. The P·V layouts
 // are checked by the default warp matching fp64 as it does on the H200; the
