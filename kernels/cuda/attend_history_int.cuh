@@ -157,19 +157,15 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   // The online softmax's step to a chunk: its max logit for head c (over
   // the warp's 32 tokens; returned), the running max m moved to cover it, and
   // l, vlo and the accumulators rescaled to the new m.
-  __device__ __forceinline__ float MoveMax(const float (&lg)[2][2]) {
-    float none = -INFINITY;
-    return MoveMax(lg, none, false);
-  }
-
-  // MoveMax that also reduces `also` (a lane's value per head) to its max
-  // over the same lanes in the same shuffle steps, when `with_also`.
-  __device__ __forceinline__ float MoveMax(const float (&lg)[2][2], float& also, bool with_also) {
+  // kAlso: `also` (a lane's value for head c) is reduced to its max over the
+  // same lanes in the same shuffle steps.
+  template <bool kAlso = false>
+  __device__ __forceinline__ float MoveMax(const float (&lg)[2][2], float* also = nullptr) {
     float cm = fmaxf(fmaxf(lg[0][0], lg[0][1]), fmaxf(lg[1][0], lg[1][1]));
 #pragma unroll
     for (int off = 4; off <= 16; off <<= 1) {
       cm = fmaxf(cm, __shfl_xor_sync(kFull, cm, off));
-      if (with_also) also = fmaxf(also, __shfl_xor_sync(kFull, also, off));
+      if constexpr (kAlso) *also = fmaxf(*also, __shfl_xor_sync(kFull, *also, off));
     }
     const float mn = fmaxf(m, cm);
     const float f = FastExp2(m - mn);
@@ -296,7 +292,7 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
           lgs = fmaxf(lgs, lg[tau][e] + FastLog2(ParamScale(x.vp[2 * tau + e][0])));
         }
     }
-    MoveMax(lg, lgs, kShortChain);
+    MoveMax<kShortChain>(lg, &lgs);
     const float mn = m;
     // P' = p·s_V per token; S = its max over the chunk's 32 tokens (fmaxf
     // skips a NaN scale, whose token then gets digit 0).

@@ -59,59 +59,79 @@ struct Mismatches {
   int tau = 0, codes = 0, params = 0;
 };
 
-// R rows of one kind and clip ratio per row through one warp, against the CPU.
+// One pass of the row helpers: R rows of one kind, a clip ratio per row,
+// which rows it stores, and what the warp wrote.
 template <int D, int G, int R>
-Mismatches CheckPass(RowKind kind, const float (&ratio)[R], const bool (&use)[R], uint64_t seed) {
-  std::mt19937_64 rng(seed);
+struct Pass {
+  RowKind kind;
+  float ratio[R];
+  bool use[R];
   std::vector<std::vector<float>> rows;
-  for (int k = 0; k < R; ++k) rows.push_back(MakeRow(D, kind, rng));
-  std::vector<std::vector<uint8_t>> codes(R, std::vector<uint8_t>(D / 4, 0xAB));
-  std::vector<std::vector<QuantParams>> params(R, std::vector<QuantParams>(D / G, {0xDEAD, 0xBEEF}));
-  float tau_gpu[R];
-  warp_emulation::RunWarp([&](int lane) {
+  std::vector<std::vector<uint8_t>> codes;      // 0xAB until written
+  std::vector<std::vector<QuantParams>> params;  // {0xDEAD, 0xBEEF} until written
+  float tau[R];
+
+  Pass(RowKind k, const float (&rs)[4], int unused, uint64_t seed)
+      : kind(k),
+        codes(R, std::vector<uint8_t>(D / 4, 0xAB)),
+        params(R, std::vector<QuantParams>(D / G, {0xDEAD, 0xBEEF})) {
+    std::mt19937_64 rng(seed);
+    for (int r = 0; r < R; ++r) {
+      ratio[r] = rs[r % 4];
+      use[r] = r != unused;
+      rows.push_back(MakeRow(D, kind, rng));
+    }
+  }
+
+  // The warp's part (every lane calls it).
+  void Run(int lane) {
     const float* yr[R];
     int top[R];
     uint8_t* co[R];
     QuantParams* po[R];
-    for (int k = 0; k < R; ++k) {
-      yr[k] = rows[k].data();
-      top[k] = cuda_encode::ClipTopRank(ratio[k], D);
-      co[k] = codes[k].data();
-      po[k] = params[k].data();
+    for (int r = 0; r < R; ++r) {
+      yr[r] = rows[r].data();
+      top[r] = cuda_encode::ClipTopRank(ratio[r], D);
+      co[r] = codes[r].data();
+      po[r] = params[r].data();
     }
-    float tau[R];
-    cuda_encode::ClipThresholdsWarp<D, R>(yr, top, tau, lane);
-    cuda_encode::QuantizeRowsWarp<D, G, R>(yr, tau, co, po, use, lane);
-    if (lane == 0) std::copy(tau, tau + R, tau_gpu);
-  });
-  Mismatches bad;
-  std::vector<float> scratch(D);
-  for (int k = 0; k < R; ++k) {
-    std::vector<float> y = rows[k];
-    const float tau_cpu = ratio[k] < 1.0f ? ClipThreshold(y.data(), D, ratio[k], scratch.data())
-                                          : INFINITY;
-    bad.tau += std::memcmp(&tau_cpu, &tau_gpu[k], 4) != 0;
-    if (!use[k]) {  // a row the pass does not store: its bytes stay as they were
-      for (uint8_t c : codes[k]) bad.codes += c != 0xAB;
-      for (const QuantParams& p : params[k]) bad.params += p.scale != 0xDEAD || p.min != 0xBEEF;
-      continue;
-    }
-    ClipRow(y.data(), D, ratio[k], scratch.data());
-    std::vector<uint8_t> want_codes(D / 4);
-    std::vector<QuantParams> want_params(D / G);
-    QuantizeRow(y.data(), D, G, want_codes.data(), want_params.data());
-    for (int j = 0; j < D / 4; ++j) bad.codes += codes[k][j] != want_codes[j];
-    for (int g = 0; g < D / G; ++g) {
-      bad.params += params[k][g].scale != want_params[g].scale || params[k][g].min != want_params[g].min;
-    }
+    float t[R];
+    cuda_encode::ClipThresholdsWarp<D, R>(yr, top, t, lane);
+    cuda_encode::QuantizeRowsWarp<D, G, R>(yr, t, co, po, use, lane);
+    if (lane == 0) std::copy(t, t + R, tau);
   }
-  return bad;
-}
 
+  // Against the CPU codec on the same rows.
+  Mismatches Compare() const {
+    Mismatches bad;
+    std::vector<float> scratch(D);
+    for (int r = 0; r < R; ++r) {
+      std::vector<float> y = rows[r];
+      const float tau_cpu = ratio[r] < 1.0f ? ClipThreshold(y.data(), D, ratio[r], scratch.data())
+                                            : INFINITY;
+      bad.tau += std::memcmp(&tau_cpu, &tau[r], 4) != 0;
+      if (!use[r]) {  // a row the pass does not store: its bytes stay as they were
+        for (uint8_t c : codes[r]) bad.codes += c != 0xAB;
+        for (const QuantParams& p : params[r]) bad.params += p.scale != 0xDEAD || p.min != 0xBEEF;
+        continue;
+      }
+      ClipRow(y.data(), D, ratio[r], scratch.data());
+      std::vector<uint8_t> want_codes(D / 4);
+      std::vector<QuantParams> want_params(D / G);
+      QuantizeRow(y.data(), D, G, want_codes.data(), want_params.data());
+      for (int j = 0; j < D / 4; ++j) bad.codes += codes[r][j] != want_codes[j];
+      for (int g = 0; g < D / G; ++g) {
+        bad.params += params[r][g].scale != want_params[g].scale || params[r][g].min != want_params[g].min;
+      }
+    }
+    return bad;
+  }
+};
+
+// Every pass of one shape through one emulated warp (one RunWarp: the lanes'
+// threads start once per shape), then each against the CPU.
 template <int D, int G, int R>
 void CheckShape(const char* name) {
-  int passes = 0;
-  Mismatches total;
   const RowKind kinds[] = {RowKind::kGaussian, RowKind::kTies, RowKind::kOneLaneTop,
                            RowKind::kConstant};
   // Keys' and values' default ratios, no clipping, and 0.5 (a rank past the
@@ -121,28 +141,29 @@ void CheckShape(const char* name) {
                                  {1.0f, 1.0f, 1.0f, 1.0f},
                                  {0.5f, 0.5f, 0.5f, 0.5f},
                                  {0.96f, 0.92f, 1.0f, 0.5f}};
+  std::vector<Pass<D, G, R>> passes;
   for (const RowKind kind : kinds) {
     for (const auto& rs : ratio_sets) {
       for (int unused = -1; unused < R; unused += R) {  // all rows used, then row R-1 unused
-        float ratio[R];
-        bool use[R];
-        for (int k = 0; k < R; ++k) {
-          ratio[k] = rs[k % 4];
-          use[k] = k != unused;
-        }
-        const Mismatches m = CheckPass<D, G, R>(kind, ratio, use, 1000 + 7 * passes);
-        total.tau += m.tau;
-        total.codes += m.codes;
-        total.params += m.params;
-        EXPECT_EQ(m.tau, 0) << name << " kind " << int(kind) << " ratio " << rs[0];
-        EXPECT_EQ(m.codes, 0) << name << " kind " << int(kind) << " ratio " << rs[0];
-        EXPECT_EQ(m.params, 0) << name << " kind " << int(kind) << " ratio " << rs[0];
-        ++passes;
+        passes.emplace_back(kind, rs, unused, 1000 + 7 * passes.size());
       }
     }
   }
-  std::printf("%-22s %3d passes of %d rows: %d thresholds, %d code bytes, %d params differ\n", name,
-              passes, R, total.tau, total.codes, total.params);
+  warp_emulation::RunWarp([&](int lane) {
+    for (auto& pass : passes) pass.Run(lane);
+  });
+  Mismatches total;
+  for (const auto& pass : passes) {
+    const Mismatches m = pass.Compare();
+    total.tau += m.tau;
+    total.codes += m.codes;
+    total.params += m.params;
+    EXPECT_EQ(m.tau, 0) << name << " kind " << int(pass.kind) << " ratio " << pass.ratio[0];
+    EXPECT_EQ(m.codes, 0) << name << " kind " << int(pass.kind) << " ratio " << pass.ratio[0];
+    EXPECT_EQ(m.params, 0) << name << " kind " << int(pass.kind) << " ratio " << pass.ratio[0];
+  }
+  std::printf("%-22s %3zu passes of %d rows: %d thresholds, %d code bytes, %d params differ\n", name,
+              passes.size(), R, total.tau, total.codes, total.params);
 }
 
 TEST(EncodeRowsEmulation, ThresholdsCodesAndParamsAreTheCpuCodecsBits) {

@@ -78,7 +78,6 @@ Output RunExactWarp(const Input& in) {
   a.geom = in.geom;
   a.g = in.g;
   alignas(16) float scratch[Ex::kLogits];  // the warp's scratch, shared by its lanes
-  float* const shared_scratch = scratch;
   float sm_o[HG][D];
   warp_emulation::RunWarp([&](int lane) {
     Ex ex;
@@ -90,7 +89,7 @@ Output RunExactWarp(const Input& in) {
       for (; t < t1; t += Ex::kTokensPerStep) {
         typename Ex::Rows rows;
         Ex::LoadRows(a, kHead, blk, t, t1, lane, rows);
-        ex.Step(in.g, rows, t, t1, lane, shared_scratch);
+        ex.Step(in.g, rows, t, t1, lane, scratch);
       }
     }
     ex.Finish(in.g, lane, sm_o, out.m, out.l);

@@ -111,8 +111,8 @@ def sections(data):
     rows = []
     for i in range(shnum):
         base = shoff + i * shentsize
-        name, _stype, _flags, _addr, off, size, _link, info = struct.unpack_from("<IIQQQQII", data, base)
-        if off + size > len(data) and _stype != 8:  # SHT_NOBITS takes no file space
+        name, stype, _flags, _addr, off, size, _link, info = struct.unpack_from("<IIQQQQII", data, base)
+        if off + size > len(data) and stype != 8:  # SHT_NOBITS takes no file space
             raise CubinError("truncated ELF file (a section past its end)")
         rows.append((name, off, size, info))
     str_off = rows[shstrndx][1]

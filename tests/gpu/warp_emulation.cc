@@ -4,6 +4,7 @@
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -149,14 +150,8 @@ int __reduce_max_sync(unsigned, int v) {
 int __reduce_min_sync(unsigned, int v) {
   return Reduce(v, [](int a, int b) { return a < b ? a : b; });
 }
-unsigned __reduce_min_sync(unsigned, unsigned v) {
-  return Reduce(v, [](unsigned a, unsigned b) { return a < b ? a : b; });
-}
-int __reduce_add_sync(unsigned, int v) {
+int __reduce_add_sync(unsigned, int v) {  // wraps like the hardware's
   return static_cast<int>(Reduce(static_cast<unsigned>(v), [](unsigned a, unsigned b) { return a + b; }));
-}
-unsigned __reduce_add_sync(unsigned, unsigned v) {
-  return Reduce(v, [](unsigned a, unsigned b) { return a + b; });
 }
 
 int __float2int_rn(float x) {
@@ -315,8 +310,6 @@ float FastRcp(float x) {
   if (std::fabs(x) < FLT_MIN) return std::signbit(x) ? -INFINITY : INFINITY;  // .ftz
   return 1.0f / x;
 }
-
-int WarpIndex() { return 0; }
 
 }  // namespace cuda_attend
 }  // namespace oscarkv

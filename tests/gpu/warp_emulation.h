@@ -37,8 +37,9 @@
 #include <cfloat>
 #include <cmath>
 #include <cstdint>
-#include <cstring>
 #include <functional>
+
+#include "kernels/numeric.h"
 
 namespace oscarkv {
 namespace warp_emulation {
@@ -101,9 +102,7 @@ unsigned __ballot_sync(unsigned mask, int predicate);
 unsigned __reduce_max_sync(unsigned mask, unsigned value);
 int __reduce_max_sync(unsigned mask, int value);
 int __reduce_min_sync(unsigned mask, int value);
-unsigned __reduce_min_sync(unsigned mask, unsigned value);
 int __reduce_add_sync(unsigned mask, int value);
-unsigned __reduce_add_sync(unsigned mask, unsigned value);
 template <class T>
 T __shfl_down_sync(unsigned /*mask*/, T var, unsigned delta, int /*width*/ = 32) {
   const int src = oscarkv::warp_emulation::Lane() + int(delta);
@@ -125,28 +124,11 @@ inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 int __float2int_rn(float x);  // ties to even; NaN -> 0; saturating
 inline float __fsub_rn(float a, float b) { return a - b; }
-inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
-inline int __float_as_int(float f) {
-  int i;
-  std::memcpy(&i, &f, 4);
-  return i;
-}
-inline float __int_as_float(int i) {
-  float f;
-  std::memcpy(&f, &i, 4);
-  return f;
-}
-inline float __uint_as_float(unsigned int u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline unsigned int __float_as_uint(float f) {
-  unsigned int u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
+inline int __float_as_int(float f) { return static_cast<int>(oscarkv::FloatBits(f)); }
+inline float __int_as_float(int i) { return oscarkv::BitsToFloat(static_cast<uint32_t>(i)); }
+inline float __uint_as_float(unsigned int u) { return oscarkv::BitsToFloat(u); }
+inline unsigned int __float_as_uint(float f) { return oscarkv::FloatBits(f); }
 
 namespace oscarkv {
 namespace cuda_attend {
@@ -171,7 +153,6 @@ uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel);
 float FastExp2(float x);
 float FastLog2(float x);
 float FastRcp(float x);
-int WarpIndex();
 
 // As attend_device.cuh's: field K of bytes 0 and 2 of x as an exact fp16 pair
 // (c·4^K) and as an exact bf16 pair (c·4^K for K < 3, c for K = 3).
