@@ -566,6 +566,41 @@ __device__ __forceinline__ void RunDoubleBufferedChunks(W& hw, typename W::Regs&
   }
 }
 
+// The same double buffer with each chunk's loads issued after the previous
+// chunk's first use (variant 13; the service loop, no ablation). ptxas puts
+// every global load of the loop on one scoreboard, and the first use of a
+// chunk waits for that scoreboard to drain: in RunDoubleBufferedChunks the
+// first use of ra's chunk also waits for rb's loads, issued just before it,
+// so every second chunk waits a whole memory latency (the SASS of variant
+// 12's loop: all 40 LDGs write SB5; ncu on the H200, B8 64K: that first
+// use holds 25 % of the kernel's stall samples, the other buffer's 0.4 %;
+// tests/bench/RESULTS.md run 24). Here a chunk's Logits (its first use,
+// which drains the scoreboard) come before the next chunk's loads, so only
+// one chunk's loads are in flight at each wait, issued a chunk earlier.
+// The branch around the loads keeps ptxas from hoisting them above it.
+// Same products in the same order as RunDoubleBufferedChunks. ra holds
+// chunk 0 and rb chunk 1 when it starts (rb's loads drain with chunk 0's).
+template <class W, class PageOf, class InPage>
+__device__ __forceinline__ void RunChunksLoadingAfterFirstUse(W& hw, typename W::Regs& ra,
+                                                              typename W::Regs& rb, int iters,
+                                                              PageOf page_of, InPage in_page) {
+  hw.Process(ra);
+  int it = 1;
+  // Chunk it is in x; the other buffer, free, gets chunk it + 1.
+  auto step = [&](const typename W::Regs& x, typename W::Regs& next) {
+    float lg[2][W::kLogitsPerTile];
+    hw.Logits(x, lg);
+    if (it + 1 < iters) hw.Load(next, page_of(it + 1), in_page(it + 1));
+    hw.Accumulate(x, lg);
+    ++it;
+  };
+  while (it < iters) {
+    step(rb, ra);
+    if (it >= iters) break;
+    step(ra, rb);
+  }
+}
+
 // W::Process(x), or for benchmarks only (wrong results, ablate != 0): bit 1
 // skips q·K (logits from the raw K params), bit 2 skips the softmax and P·V
 // (the logits and V bytes are only summed into W::AblationSink()), so the

@@ -44,16 +44,20 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
 // while the prep kernel runs, instead of after them. kShortChain (variant
 // 12, with kIntPv = 2): HistoryWarpIntPv's shorter chunk chain, and the
 // service's loop (a.ablate == 0) compiled with a literal 0, so it has no
-// per-chunk tests of the benchmark's ablation bits.
+// per-chunk tests of the benchmark's ablation bits. kLoadAfterFirstUse
+// (variant 13, with kShortChain): that service loop issues each chunk's
+// loads after the chunk before it is first used
+// (RunChunksLoadingAfterFirstUse).
 template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
           bool kInt = false, int kIntPv = 0, int kStages = 0, bool kExactFirst = false,
-          bool kShortChain = false>
+          bool kShortChain = false, bool kLoadAfterFirstUse = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
   using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv, kShortChain>,
                                   HistoryWarp<D, NG, G8, kInt>>;
   static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
   static_assert(!kShortChain || (kIntPv == 2 && kStages == 0), "the short chain: variant 8's loop");
+  static_assert(!kLoadAfterFirstUse || kShortChain, "loads after first use: variant 12's loop");
   static_assert(kStages == 0 || !kPipeline, "the stage ring replaces the register buffers");
   constexpr int HG = C::HG;
   __shared__ __align__(16) float sm_o[kWarps][HG][D];  // also the exact steps' scratch
@@ -268,7 +272,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
             // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in
             // service; kShortChain compiles that loop with a literal 0.
             if (kShortChain && a.ablate == 0) {
-              RunDoubleBufferedChunks(hw, ra, rb, iters, 0, page_of, in_page);
+              if constexpr (kLoadAfterFirstUse) {
+                RunChunksLoadingAfterFirstUse(hw, ra, rb, iters, page_of, in_page);
+              } else {
+                RunDoubleBufferedChunks(hw, ra, rb, iters, 0, page_of, in_page);
+              }
             } else {
               RunDoubleBufferedChunks(hw, ra, rb, iters, a.ablate, page_of, in_page);
             }
@@ -325,7 +333,9 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // shapes run 3) at 3 / 4 blocks per SM; 8 / 9 = 6 / 7 with 16-bit P';
 // 10 = 8 fed by a ring of kRingStages shared-memory stages per warp (bulk
 // copies; other shapes run 3); 12 = 8 with the short chunk chain
-// (kShortChain; other shapes run 3).
+// (kShortChain; other shapes run 3); 13 = 12 with each chunk's loads after
+// the first use of the chunk before it (kLoadAfterFirstUse; other shapes
+// run 3).
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
@@ -355,6 +365,11 @@ auto SplitKernelFor(int variant, bool exact_first) {
     if (variant == 12) {
       return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true>
                          : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true>;
+    }
+    if (variant == 13) {
+      return exact_first
+                 ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, true>
+                 : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, true>;
     }
     if (variant == 10) return &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages>;
   }

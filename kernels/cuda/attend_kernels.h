@@ -105,9 +105,10 @@ class AttendLauncher {
   //       and B8 32K / 64K, 4-13 % at the shorter shapes;
   //   8 = 6 with P' in 16-bit fixed point of each chunk's exact max (relative
   //       L2 errors up to ~6e-5, single elements up to ~5e-4·(1 + |o|)): the
-  //       default, 5-7 % faster than 6 at 64K-128K tokens and at B8, ~1 % at
+  //       default until 2026-12-01, 5-7 % faster than 6 at 64K-128K tokens and at B8, ~1 % at
   //       8K-32K; when the plan folds the exact blocks onto the history units
-  //       (set_fold_exact), its kernel runs them before the pages;
+  //       (set_fold_exact), its kernel runs them before the pages (so do
+  //       12's and 13's);
   //   9 = 8 held to 128 registers (4 blocks/SM, 16 bytes of spills): 2-4 %
   //       faster than 8 at B1 128K and B8 64K, 9 % slower at 8K and 16 %
   //       at B8 32K (2026-11-30, run 14); kept for measurement;
@@ -122,29 +123,32 @@ class AttendLauncher {
   //       distributed shared memory (and the clusters of a head in global
   //       memory), with no prep or merge kernel (D = 128, G = D, <= 4 query
   //       heads per kv head, at least one cluster per (item, kv head) at
-  //       once; other batches run 8);
+  //       once; other batches run the default);
   //   12 = 8 with a shorter dependency chain per chunk (the same products:
   //       S from the logits' max reduction, 1/S by rcp.approx, cumulative
   //       V code masks; HistoryWarpIntPv's kShortChain) and the service loop
   //       compiled without the benchmark's ablation tests (D = 128, G = D,
   //       <= 4 query heads per kv head; other shapes run what 3 runs there).
   //       Its P' is kept in units of S / 65531, so that S's rounding (it is
-  //       computed from lg + log2 s_V) never clamps a digit. Written
-  //       2026-12-01 without a GPU: compiled, its SASS read and its warp
-  //       code tested through the host warp emulation on the dev VM
-  //       (RESULTS run 23), not yet run on a GPU; the default stays 8 until
-  //       it is tested and timed there.
+  //       computed from lg + log2 s_V) never clamps a digit. The default
+  //       since 2026-12-01: B8 64K 118.6 -> 114.4 us, B8 32K 70.8 -> 69.0,
+  //       B1 128K 39.2 -> 38.8, within 0.1 us of 8 at B1 8K-64K, same
+  //       errors (H200, RESULTS run 24);
+  //   13 = 12 with each chunk's loads issued after the first use of the
+  //       chunk before it (RunChunksLoadingAfterFirstUse): ptxas waits for
+  //       all of the loop's loads at once, so 12's order makes every second
+  //       chunk wait for loads just issued (same shapes as 12).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 13;
+  static constexpr int kNumVariants = 14;
   static constexpr int kClusterVariant = 11;
-  static constexpr int kDefaultVariant = 8;
+  static constexpr int kDefaultVariant = 12;
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }
 
   // Whether a batch of this shape runs, under `variant`, the history path
   // that keeps P·V's probabilities in 16-bit fixed point of each chunk's max
-  // (variants 8-11 for D = 128, G = D, at most 4 query heads per kv head): output
+  // (variants 8-13 for D = 128, G = D, at most 4 query heads per kv head): output
   // errors up to ~5e-4 of the output's scale, against ~1e-6 for the other
   // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
   static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);

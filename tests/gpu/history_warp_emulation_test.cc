@@ -188,14 +188,10 @@ struct Recorder {
   cuda_attend::WarpPages<kWalkWarps>& pages;
   int g, lane;
   std::vector<std::vector<double>>& logits;  // [head][token]
-  int it = 0;
+  mutable int it = 0;  // chunks whose logits were taken
 
   void Load(Regs& x, const uint8_t* page, int chunk) const { hw.Load(x, page, chunk); }
-  void Logits(const Regs& x, float (&lg)[2][kLogitsPerTile]) const { hw.Logits(x, lg); }
-  void Accumulate(const Regs& x, const float (&lg)[2][kLogitsPerTile]) { hw.Accumulate(x, lg); }
-  float& AblationSink() { return hw.AblationSink(); }
-  void Process(const Regs& x) {
-    float lg[2][kLogitsPerTile];
+  void Logits(const Regs& x, float (&lg)[2][kLogitsPerTile]) const {
     hw.Logits(x, lg);
     const int chunk = pages.ChunkOf(it++);
     for (int tau = 0; tau < 2; ++tau)
@@ -204,7 +200,13 @@ struct Recorder {
         LogitMap<W>::At(lane, tau, e, &head, &token);
         if (head >= 0 && head < g) logits[head][chunk * kTokensPerChunk + token] = lg[tau][e];
       }
-    hw.Accumulate(x, lg);
+  }
+  void Accumulate(const Regs& x, const float (&lg)[2][kLogitsPerTile]) { hw.Accumulate(x, lg); }
+  float& AblationSink() { return hw.AblationSink(); }
+  void Process(const Regs& x) {
+    float lg[2][kLogitsPerTile];
+    Logits(x, lg);
+    Accumulate(x, lg);
   }
 };
 
@@ -217,8 +219,9 @@ bool Walked(const Input& in, int chunk) { return chunk % in.walk_warps == in.wal
 
 // One warp over its chunks of the input as the split kernel runs them
 // (WarpPages for the pages, the first two chunks loaded, then
-// RunDoubleBufferedChunks), then Finish.
-template <class W, int kWalkWarps>
+// RunDoubleBufferedChunks, or with kLoadAfterFirstUse variant 13's
+// RunChunksLoadingAfterFirstUse), then Finish.
+template <class W, int kWalkWarps, bool kLoadAfterFirstUse = false>
 Output RunWalk(const Input& in) {
   Output out;
   const int tokens = int(in.pages.size()) * in.geom.page_tokens;
@@ -257,7 +260,11 @@ Output RunWalk(const Input& in) {
     typename W::Regs ra, rb;
     if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
     if (iters > 1) hw.Load(rb, page_of(1), in_page(1));
-    if (iters > 0) cuda_attend::RunDoubleBufferedChunks(rec, ra, rb, iters, 0, page_of, in_page);
+    if (iters > 0 && kLoadAfterFirstUse) {
+      cuda_attend::RunChunksLoadingAfterFirstUse(rec, ra, rb, iters, page_of, in_page);
+    } else if (iters > 0) {
+      cuda_attend::RunDoubleBufferedChunks(rec, ra, rb, iters, 0, page_of, in_page);
+    }
     hw.Finish(in.g, sm_o, out.m, out.l);
   });
   for (int hh = 0; hh < kMaxHeads; ++hh) std::copy(sm_o[hh], sm_o[hh] + D, out.o[hh]);
@@ -334,6 +341,22 @@ double RelativeL2(const Output& a, const Output& b, int g, int D = kD) {
   return worst;
 }
 
+// Whether two warps' results are the same bits (o, m, l of every head, and
+// the logits): variant 13's loop runs 12's products in 12's order.
+bool SameBits(const Output& a, const Output& b) {
+  if (std::memcmp(a.o, b.o, sizeof(a.o)) != 0 || std::memcmp(a.m, b.m, sizeof(a.m)) != 0 ||
+      std::memcmp(a.l, b.l, sizeof(a.l)) != 0 || a.logits.size() != b.logits.size()) {
+    return false;
+  }
+  for (size_t h = 0; h < a.logits.size(); ++h) {  // NaN where a head or token has none
+    if (a.logits[h].size() != b.logits[h].size() ||
+        std::memcmp(a.logits[h].data(), b.logits[h].data(), a.logits[h].size() * sizeof(double))) {
+      return false;
+    }
+  }
+  return true;
+}
+
 constexpr double kOutTol = 2e-4;
 constexpr double kSumTol = 1e-5;
 constexpr double kVariantTol = 3e-5;
@@ -359,6 +382,7 @@ TEST_P(HistoryWarpEmulationTest, MatchesFp64SoftmaxOverTheSamePages) {
                              kTokensPerChunk, kD, 1, LogitMap<Warp8>::Query());
   const Output o8 = RunHistoryWarp<Warp8>(in);
   const Output o12 = RunHistoryWarp<Warp12>(in);
+  const Output o13 = RunWalk<Warp12, 1, /*kLoadAfterFirstUse=*/true>(in);
   const Output o3 = RunHistoryWarp<Warp3>(in);
   const Errors e8 = CompareWithFp64(in, o8), e12 = CompareWithFp64(in, o12);
   const Errors e3 = CompareWithFp64(in, o3);
@@ -376,6 +400,7 @@ TEST_P(HistoryWarpEmulationTest, MatchesFp64SoftmaxOverTheSamePages) {
   EXPECT_LT(e12.o, kAsAccurate * e8.o + kAsAccurateFloor);
   // The same logits: q·K is the same code in 8 and 12.
   for (int hh = 0; hh < c.g; ++hh) EXPECT_EQ(o8.logits[hh], o12.logits[hh]) << "head " << hh;
+  EXPECT_TRUE(SameBits(o13, o12)) << "variant 13's loop against 12's";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -403,7 +428,9 @@ TEST(HistoryWarpEmulation, WarpOfFourWalksItsChunksOfEightChunkPages) {
   in.walk_warp = 3;
   const Output o8 = RunWalk<Warp8, 4>(in);
   const Output o12 = RunWalk<Warp12, 4>(in);
+  const Output o13 = RunWalk<Warp12, 4, /*kLoadAfterFirstUse=*/true>(in);
   const Errors e8 = CompareWithFp64(in, o8), e12 = CompareWithFp64(in, o12);
+  EXPECT_TRUE(SameBits(o13, o12)) << "variant 13's loop against 12's";
   std::printf("walk 34 of 136 chunks   o err: v8 %.2e  v12 %.2e; l err: v8 %.1e v12 %.1e\n", e8.o,
               e12.o, e8.l, e12.l);
   EXPECT_LT(e8.o, kOutTol);

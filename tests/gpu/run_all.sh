@@ -66,7 +66,7 @@ for t in cuda_codec_test cuda_attend_test; do
 done
 
 # The attention tests again with the other split-kernel variants (see
-# AttendLauncher::set_variant; the default is 8): 1 differs for D = 128 only.
+# AttendLauncher::set_variant; the default is 12): 1 differs for D = 128 only.
 [ "$quick" = 1 ] || run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
   --gtest_filter='*D128*:CudaAttendDefaults.*' --gtest_output="json:$out/cuda_attend_test_variant1.json"
 [ "$quick" = 1 ] || grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head -20
