@@ -200,6 +200,43 @@ struct ChunkLoads {
   }
 };
 
+// Variant 14's L2 prefetch of a whole chunk of kv head h (its K codes, K
+// params, V codes and V params: 2 · (D / 16 + ceil(NG / 4)) lines of 128
+// bytes, one per lane), so that the chunk's register loads, issued a chunk
+// later, find it in L2. A prefetch writes no register, so it takes no
+// scoreboard and nothing waits for it.
+template <int D, int NG>
+struct ChunkPrefetchL2 {
+  static constexpr int kCodeLines = 32 * (D / 4) / 128, kParamLines = (32 * NG * 4 + 127) / 128;
+  static_assert(2 * (kCodeLines + kParamLines) <= 32, "one line per lane");
+  size_t offset = 0;  // of this lane's line in chunk 0
+  int stride = 0;     // bytes from a chunk's line to the next chunk's; 0: no line
+  __device__ void Init(const PageGeometry& geom, int h, int lane) {
+    int l = lane;
+    for (int kind = 0; kind < 2; ++kind) {
+      if (l < kCodeLines) {
+        offset = geom.codes_offset(h, kind) + size_t(l) * 128;
+        stride = 32 * D / 4;
+        return;
+      }
+      l -= kCodeLines;
+      if (l < kParamLines) {
+        offset = geom.params_offset(h, kind) + size_t(l) * 128;
+        stride = 32 * NG * 4;
+        return;
+      }
+      l -= kParamLines;
+    }
+  }
+  __device__ __forceinline__ void Prefetch(const uint8_t* page, int chunk) const {
+#if !defined(OSCARKV_WARP_EMULATION)
+    if (stride != 0) {
+      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(page + offset + size_t(chunk) * stride));
+    }
+#endif
+  }
+};
+
 // Online-softmax state and accumulators of one warp over its history chunks.
 // Thread (r = lane/4, c = lane%4) owns query heads hh0, hh0+1 of the group.
 // kInt: q·K on the integer tensor cores (D = 128, at most 4 query heads per
@@ -567,30 +604,38 @@ __device__ __forceinline__ void RunDoubleBufferedChunks(W& hw, typename W::Regs&
 }
 
 // The same double buffer with each chunk's loads issued after the previous
-// chunk's first use (variant 13; the service loop, no ablation). ptxas puts
-// every global load of the loop on one scoreboard, and the first use of a
-// chunk waits for that scoreboard to drain: in RunDoubleBufferedChunks the
-// first use of ra's chunk also waits for rb's loads, issued just before it,
-// so every second chunk waits a whole memory latency (the SASS of variant
-// 12's loop: all 40 LDGs write SB5; ncu on the H200, B8 64K: that first
-// use holds 25 % of the kernel's stall samples, the other buffer's 0.4 %;
-// tests/bench/RESULTS.md run 24). Here a chunk's Logits (its first use,
-// which drains the scoreboard) come before the next chunk's loads, so only
-// one chunk's loads are in flight at each wait, issued a chunk earlier.
-// The branch around the loads keeps ptxas from hoisting them above it.
-// Same products in the same order as RunDoubleBufferedChunks. ra holds
-// chunk 0 and rb chunk 1 when it starts (rb's loads drain with chunk 0's).
-template <class W, class PageOf, class InPage>
+// chunk's first use (variants 13 and 14; the service loop, no ablation).
+// ptxas puts every global load of the loop on one scoreboard, and the first
+// use of a chunk waits for that scoreboard to drain: in
+// RunDoubleBufferedChunks the first use of ra's chunk also waits for rb's
+// loads, issued just before it, so every second chunk waits a whole memory
+// latency (the SASS of variant 12's loop: all 40 LDGs write SB5; ncu on the
+// H200, B8 64K: that first use holds 25 % of the kernel's stall samples,
+// the other buffer's 0.4 %; tests/bench/RESULTS.md run 24). Here a chunk's
+// Logits (its first use, which drains the scoreboard) come before the next
+// chunk's loads, so only one chunk's loads are in flight at each wait,
+// issued a chunk earlier. The branch around the loads keeps ptxas from
+// hoisting them above it. Same products in the same order as
+// RunDoubleBufferedChunks. ra holds chunk 0 and rb chunk 1 when it starts
+// (rb's loads drain with chunk 0's). prefetch_l2(it) (variant 14: into L2,
+// no registers) is called for chunk it + 2 with chunk it + 1's loads, in
+// non-decreasing order of chunks with page_of, as WarpPages needs.
+template <class W, class PageOf, class InPage, class PrefetchL2>
 __device__ __forceinline__ void RunChunksLoadingAfterFirstUse(W& hw, typename W::Regs& ra,
                                                               typename W::Regs& rb, int iters,
-                                                              PageOf page_of, InPage in_page) {
+                                                              PageOf page_of, InPage in_page,
+                                                              PrefetchL2 prefetch_l2) {
+  if (iters > 2) prefetch_l2(2);
   hw.Process(ra);
   int it = 1;
   // Chunk it is in x; the other buffer, free, gets chunk it + 1.
   auto step = [&](const typename W::Regs& x, typename W::Regs& next) {
     float lg[2][W::kLogitsPerTile];
     hw.Logits(x, lg);
-    if (it + 1 < iters) hw.Load(next, page_of(it + 1), in_page(it + 1));
+    if (it + 1 < iters) {
+      hw.Load(next, page_of(it + 1), in_page(it + 1));
+      if (it + 2 < iters) prefetch_l2(it + 2);
+    }
     hw.Accumulate(x, lg);
     ++it;
   };

@@ -44,20 +44,22 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
 // while the prep kernel runs, instead of after them. kShortChain (variant
 // 12, with kIntPv = 2): HistoryWarpIntPv's shorter chunk chain, and the
 // service's loop (a.ablate == 0) compiled with a literal 0, so it has no
-// per-chunk tests of the benchmark's ablation bits. kLoadAfterFirstUse
-// (variant 13, with kShortChain): that service loop issues each chunk's
-// loads after the chunk before it is first used
-// (RunChunksLoadingAfterFirstUse).
+// per-chunk tests of the benchmark's ablation bits. kLoadOrder (with
+// kShortChain): 0 = that service loop is RunDoubleBufferedChunks (variant
+// 12); 1 = it issues each chunk's loads after the chunk before it is first
+// used (RunChunksLoadingAfterFirstUse, variant 13); 2 = 1 with each chunk
+// also prefetched into L2 a chunk before its loads (ChunkPrefetchL2,
+// variant 14).
 template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
           bool kInt = false, int kIntPv = 0, int kStages = 0, bool kExactFirst = false,
-          bool kShortChain = false, bool kLoadAfterFirstUse = false>
+          bool kShortChain = false, int kLoadOrder = 0>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
   using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv, kShortChain>,
                                   HistoryWarp<D, NG, G8, kInt>>;
   static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
   static_assert(!kShortChain || (kIntPv == 2 && kStages == 0), "the short chain: variant 8's loop");
-  static_assert(!kLoadAfterFirstUse || kShortChain, "loads after first use: variant 12's loop");
+  static_assert(kLoadOrder == 0 || kShortChain, "the load orders of variant 12's loop");
   static_assert(kStages == 0 || !kPipeline, "the stage ring replaces the register buffers");
   constexpr int HG = C::HG;
   __shared__ __align__(16) float sm_o[kWarps][HG][D];  // also the exact steps' scratch
@@ -272,8 +274,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
             // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in
             // service; kShortChain compiles that loop with a literal 0.
             if (kShortChain && a.ablate == 0) {
-              if constexpr (kLoadAfterFirstUse) {
-                RunChunksLoadingAfterFirstUse(hw, ra, rb, iters, page_of, in_page);
+              if constexpr (kLoadOrder == 2) {
+                ChunkPrefetchL2<D, NG> l2;
+                l2.Init(a.geom, wu.kv_head, lane);
+                RunChunksLoadingAfterFirstUse(hw, ra, rb, iters, page_of, in_page,
+                                              [&](int it) { l2.Prefetch(page_of(it), in_page(it)); });
+              } else if constexpr (kLoadOrder == 1) {
+                RunChunksLoadingAfterFirstUse(hw, ra, rb, iters, page_of, in_page, [](int) {});
               } else {
                 RunDoubleBufferedChunks(hw, ra, rb, iters, 0, page_of, in_page);
               }
@@ -334,8 +341,9 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // 10 = 8 fed by a ring of kRingStages shared-memory stages per warp (bulk
 // copies; other shapes run 3); 12 = 8 with the short chunk chain
 // (kShortChain; other shapes run 3); 13 = 12 with each chunk's loads after
-// the first use of the chunk before it (kLoadAfterFirstUse; other shapes
-// run 3).
+// the first use of the chunk before it (kLoadOrder 1; other shapes run 3);
+// 14 = 13 with each chunk prefetched into L2 a chunk before its loads
+// (kLoadOrder 2; other shapes run 3).
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
@@ -366,10 +374,14 @@ auto SplitKernelFor(int variant, bool exact_first) {
       return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true>
                          : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true>;
     }
-    if (variant == 13) {
-      return exact_first
-                 ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, true>
-                 : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, true>;
+    if (variant == 13 || variant == 14) {
+      if (variant == 14) {
+        return exact_first
+                   ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 2>
+                   : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, 2>;
+      }
+      return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 1>
+                         : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, 1>;
     }
     if (variant == 10) return &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages>;
   }

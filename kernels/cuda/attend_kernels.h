@@ -137,10 +137,13 @@ class AttendLauncher {
   //   13 = 12 with each chunk's loads issued after the first use of the
   //       chunk before it (RunChunksLoadingAfterFirstUse): ptxas waits for
   //       all of the loop's loads at once, so 12's order makes every second
-  //       chunk wait for loads just issued (same shapes as 12).
+  //       chunk wait for loads just issued (same shapes as 12);
+  //   14 = 13 with each chunk also prefetched into L2 (prefetch.global.L2,
+  //       which takes no scoreboard) when the chunk before it is loaded, so
+  //       that its loads, a chunk later, find it there (same shapes as 12).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 14;
+  static constexpr int kNumVariants = 15;
   static constexpr int kClusterVariant = 11;
   static constexpr int kDefaultVariant = 12;
   void set_variant(int variant) { variant_ = variant; }

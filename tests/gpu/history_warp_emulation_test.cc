@@ -261,7 +261,10 @@ Output RunWalk(const Input& in) {
     if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
     if (iters > 1) hw.Load(rb, page_of(1), in_page(1));
     if (iters > 0 && kLoadAfterFirstUse) {
-      cuda_attend::RunChunksLoadingAfterFirstUse(rec, ra, rb, iters, page_of, in_page);
+      // The chunks variant 14 prefetches into L2 (the prefetch itself is a
+      // no-op here): the page walk in the order the kernel calls it.
+      cuda_attend::RunChunksLoadingAfterFirstUse(rec, ra, rb, iters, page_of, in_page,
+                                                 [&](int it) { (void)page_of(it); });
     } else if (iters > 0) {
       cuda_attend::RunDoubleBufferedChunks(rec, ra, rb, iters, 0, page_of, in_page);
     }
