@@ -200,42 +200,6 @@ struct ChunkLoads {
   }
 };
 
-// Variant 14's L2 prefetch of a whole chunk of kv head h (its K codes, K
-// params, V codes and V params: 2 · (D / 16 + ceil(NG / 4)) lines of 128
-// bytes, one per lane), so that the chunk's register loads, issued a chunk
-// later, find it in L2. A prefetch writes no register, so it takes no
-// scoreboard and nothing waits for it.
-template <int D, int NG>
-struct ChunkPrefetchL2 {
-  static constexpr int kCodeLines = 32 * (D / 4) / 128, kParamLines = (32 * NG * 4 + 127) / 128;
-  static_assert(2 * (kCodeLines + kParamLines) <= 32, "one line per lane");
-  size_t offset = 0;  // of this lane's line in chunk 0
-  int stride = 0;     // bytes from a chunk's line to the next chunk's; 0: no line
-  __device__ void Init(const PageGeometry& geom, int h, int lane) {
-    int l = lane;
-    for (int kind = 0; kind < 2; ++kind) {
-      if (l < kCodeLines) {
-        offset = geom.codes_offset(h, kind) + size_t(l) * 128;
-        stride = 32 * D / 4;
-        return;
-      }
-      l -= kCodeLines;
-      if (l < kParamLines) {
-        offset = geom.params_offset(h, kind) + size_t(l) * 128;
-        stride = 32 * NG * 4;
-        return;
-      }
-      l -= kParamLines;
-    }
-  }
-  __device__ __forceinline__ void Prefetch(const uint8_t* page, int chunk) const {
-#if !defined(OSCARKV_WARP_EMULATION)
-    if (stride != 0) {
-      asm volatile("prefetch.global.L2 [%0];\n" ::"l"(page + offset + size_t(chunk) * stride));
-    }
-#endif
-  }
-};
 
 // Online-softmax state and accumulators of one warp over its history chunks.
 // Thread (r = lane/4, c = lane%4) owns query heads hh0, hh0+1 of the group.
@@ -617,25 +581,25 @@ __device__ __forceinline__ void RunDoubleBufferedChunks(W& hw, typename W::Regs&
 // issued a chunk earlier. The branch around the loads keeps ptxas from
 // hoisting them above it. Same products in the same order as
 // RunDoubleBufferedChunks. ra holds chunk 0 and rb chunk 1 when it starts
-// (rb's loads drain with chunk 0's). prefetch_l2(it) (variant 14: into L2,
-// no registers) is called for chunk it + 2 with chunk it + 1's loads, in
-// non-decreasing order of chunks with page_of, as WarpPages needs.
-template <class W, class PageOf, class InPage, class PrefetchL2>
+// (rb's loads drain with chunk 0's). kAfterFirstTile (variant 14): the
+// loads go in after the logits of the chunk's first 16-token tile, not
+// after all of them (W::LogitsTile).
+template <bool kAfterFirstTile, class W, class PageOf, class InPage>
 __device__ __forceinline__ void RunChunksLoadingAfterFirstUse(W& hw, typename W::Regs& ra,
                                                               typename W::Regs& rb, int iters,
-                                                              PageOf page_of, InPage in_page,
-                                                              PrefetchL2 prefetch_l2) {
-  if (iters > 2) prefetch_l2(2);
+                                                              PageOf page_of, InPage in_page) {
   hw.Process(ra);
   int it = 1;
   // Chunk it is in x; the other buffer, free, gets chunk it + 1.
   auto step = [&](const typename W::Regs& x, typename W::Regs& next) {
     float lg[2][W::kLogitsPerTile];
-    hw.Logits(x, lg);
-    if (it + 1 < iters) {
-      hw.Load(next, page_of(it + 1), in_page(it + 1));
-      if (it + 2 < iters) prefetch_l2(it + 2);
+    if constexpr (kAfterFirstTile) {
+      hw.LogitsTile(x, 0, lg[0]);
+    } else {
+      hw.Logits(x, lg);
     }
+    if (it + 1 < iters) hw.Load(next, page_of(it + 1), in_page(it + 1));
+    if constexpr (kAfterFirstTile) hw.LogitsTile(x, 1, lg[1]);
     hw.Accumulate(x, lg);
     ++it;
   };

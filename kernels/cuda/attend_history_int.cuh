@@ -124,7 +124,12 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   // Logits (base 2) of head c for tokens 16τ + r + 8e.
   __device__ __forceinline__ void Logits(const Regs& x, float (&lg)[2][2]) const {
 #pragma unroll
-    for (int tau = 0; tau < 2; ++tau) {
+    for (int tau = 0; tau < 2; ++tau) LogitsTile(x, tau, lg[tau]);
+  }
+
+  // Logits of the chunk's 16-token tile tau (tokens 16τ + r + 8e, e = 0, 1).
+  __device__ __forceinline__ void LogitsTile(const Regs& x, int tau, float (&lgt)[2]) const {
+    {
       int s[2][4];
 #pragma unroll
       for (int t = 0; t < 2; ++t)
@@ -149,7 +154,7 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
         const float dot = fmaf(static_cast<float>(v23), 4.76837158203125e-07f,
                                static_cast<float>(v01) * 0.0078125f);
         const uint32_t kp = x.kp[2 * tau + e][0];
-        lg[tau][e] = fmaf(mult * ParamScale(kp), dot, ParamMin(kp) * qsum);
+        lgt[e] = fmaf(mult * ParamScale(kp), dot, ParamMin(kp) * qsum);
       }
     }
   }

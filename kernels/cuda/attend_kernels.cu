@@ -47,9 +47,8 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
 // per-chunk tests of the benchmark's ablation bits. kLoadOrder (with
 // kShortChain): 0 = that service loop is RunDoubleBufferedChunks (variant
 // 12); 1 = it issues each chunk's loads after the chunk before it is first
-// used (RunChunksLoadingAfterFirstUse, variant 13); 2 = 1 with each chunk
-// also prefetched into L2 a chunk before its loads (ChunkPrefetchL2,
-// variant 14).
+// used (RunChunksLoadingAfterFirstUse, variant 13); 2 = 1 with the loads
+// after the chunk's first 16-token tile of logits (variant 14).
 template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
           bool kInt = false, int kIntPv = 0, int kStages = 0, bool kExactFirst = false,
           bool kShortChain = false, int kLoadOrder = 0>
@@ -274,13 +273,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
             // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in
             // service; kShortChain compiles that loop with a literal 0.
             if (kShortChain && a.ablate == 0) {
-              if constexpr (kLoadOrder == 2) {
-                ChunkPrefetchL2<D, NG> l2;
-                l2.Init(a.geom, wu.kv_head, lane);
-                RunChunksLoadingAfterFirstUse(hw, ra, rb, iters, page_of, in_page,
-                                              [&](int it) { l2.Prefetch(page_of(it), in_page(it)); });
-              } else if constexpr (kLoadOrder == 1) {
-                RunChunksLoadingAfterFirstUse(hw, ra, rb, iters, page_of, in_page, [](int) {});
+              if constexpr (kLoadOrder > 0) {
+                RunChunksLoadingAfterFirstUse<kLoadOrder == 2>(hw, ra, rb, iters, page_of,
+                                                                in_page);
               } else {
                 RunDoubleBufferedChunks(hw, ra, rb, iters, 0, page_of, in_page);
               }
@@ -342,8 +337,8 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // copies; other shapes run 3); 12 = 8 with the short chunk chain
 // (kShortChain; other shapes run 3); 13 = 12 with each chunk's loads after
 // the first use of the chunk before it (kLoadOrder 1; other shapes run 3);
-// 14 = 13 with each chunk prefetched into L2 a chunk before its loads
-// (kLoadOrder 2; other shapes run 3).
+// 14 = 13 with the loads after the chunk's first tile of logits (kLoadOrder
+// 2; other shapes run 3).
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {

@@ -138,14 +138,13 @@ class AttendLauncher {
   //       chunk before it (RunChunksLoadingAfterFirstUse): ptxas waits for
   //       all of the loop's loads at once, so 12's order makes every second
   //       chunk wait for loads just issued (same shapes as 12);
-  //   14 = 13 with each chunk also prefetched into L2 (prefetch.global.L2,
-  //       which takes no scoreboard) when the chunk before it is loaded, so
-  //       that its loads, a chunk later, find it there (same shapes as 12).
+  //   14 = 13 with the next chunk's loads after the logits of the chunk's
+  //       first 16-token tile, not after both (same shapes as 12).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
   static constexpr int kNumVariants = 15;
   static constexpr int kClusterVariant = 11;
-  static constexpr int kDefaultVariant = 12;
+  static constexpr int kDefaultVariant = 13;
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }
 

@@ -2,9 +2,11 @@
 // on the CPU through the warp emulation (warp_emulation.h), against an fp64
 // softmax over the same pages: the chunk loads, the online softmax, P·V on
 // the (emulated) tensor cores and Finish, for
-//   - HistoryWarpIntPv<.., 2 digits> (variant 8, the default; verified on the
-//     H200 by cuda_attend_test, so this also checks the emulation),
-//   - HistoryWarpIntPv<.., 2 digits, kShortChain> (variant 12),
+//   - HistoryWarpIntPv<.., 2 digits> (variant 8; verified on the H200 by
+//     cuda_attend_test, so this also checks the emulation),
+//   - HistoryWarpIntPv<.., 2 digits, kShortChain> (variant 12), also through
+//     the loops of variants 13 (the default) and 14, which must give 12's
+//     results bit for bit,
 //   - HistoryWarp with integer q·K (variant 3: bf16 hi/lo P').
 // Logits come from each warp's own q·K (random query digits, so they are not
 // a real query's); the reference takes those logits and computes, in fp64,
@@ -193,13 +195,22 @@ struct Recorder {
   void Load(Regs& x, const uint8_t* page, int chunk) const { hw.Load(x, page, chunk); }
   void Logits(const Regs& x, float (&lg)[2][kLogitsPerTile]) const {
     hw.Logits(x, lg);
-    const int chunk = pages.ChunkOf(it++);
-    for (int tau = 0; tau < 2; ++tau)
-      for (int e = 0; e < kLogitsPerTile; ++e) {
-        int head, token;
-        LogitMap<W>::At(lane, tau, e, &head, &token);
-        if (head >= 0 && head < g) logits[head][chunk * kTokensPerChunk + token] = lg[tau][e];
-      }
+    for (int tau = 0; tau < 2; ++tau) Record(tau, lg[tau]);
+    ++it;
+  }
+  // Variant 14's loop takes a chunk's logits one 16-token tile at a time.
+  void LogitsTile(const Regs& x, int tau, float (&lgt)[kLogitsPerTile]) const {
+    hw.LogitsTile(x, tau, lgt);
+    Record(tau, lgt);
+    if (tau == 1) ++it;
+  }
+  void Record(int tau, const float (&lgt)[kLogitsPerTile]) const {
+    const int chunk = pages.ChunkOf(it);
+    for (int e = 0; e < kLogitsPerTile; ++e) {
+      int head, token;
+      LogitMap<W>::At(lane, tau, e, &head, &token);
+      if (head >= 0 && head < g) logits[head][chunk * kTokensPerChunk + token] = lgt[e];
+    }
   }
   void Accumulate(const Regs& x, const float (&lg)[2][kLogitsPerTile]) { hw.Accumulate(x, lg); }
   float& AblationSink() { return hw.AblationSink(); }
@@ -219,9 +230,9 @@ bool Walked(const Input& in, int chunk) { return chunk % in.walk_warps == in.wal
 
 // One warp over its chunks of the input as the split kernel runs them
 // (WarpPages for the pages, the first two chunks loaded, then
-// RunDoubleBufferedChunks, or with kLoadAfterFirstUse variant 13's
+// RunDoubleBufferedChunks, or with kLoadOrder 1 / 2 variant 13's / 14's
 // RunChunksLoadingAfterFirstUse), then Finish.
-template <class W, int kWalkWarps, bool kLoadAfterFirstUse = false>
+template <class W, int kWalkWarps, int kLoadOrder = 0>
 Output RunWalk(const Input& in) {
   Output out;
   const int tokens = int(in.pages.size()) * in.geom.page_tokens;
@@ -260,11 +271,9 @@ Output RunWalk(const Input& in) {
     typename W::Regs ra, rb;
     if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
     if (iters > 1) hw.Load(rb, page_of(1), in_page(1));
-    if (iters > 0 && kLoadAfterFirstUse) {
-      // The chunks variant 14 prefetches into L2 (the prefetch itself is a
-      // no-op here): the page walk in the order the kernel calls it.
-      cuda_attend::RunChunksLoadingAfterFirstUse(rec, ra, rb, iters, page_of, in_page,
-                                                 [&](int it) { (void)page_of(it); });
+    if (iters > 0 && kLoadOrder > 0) {
+      cuda_attend::RunChunksLoadingAfterFirstUse<kLoadOrder == 2>(rec, ra, rb, iters, page_of,
+                                                                  in_page);
     } else if (iters > 0) {
       cuda_attend::RunDoubleBufferedChunks(rec, ra, rb, iters, 0, page_of, in_page);
     }
@@ -345,7 +354,7 @@ double RelativeL2(const Output& a, const Output& b, int g, int D = kD) {
 }
 
 // Whether two warps' results are the same bits (o, m, l of every head, and
-// the logits): variant 13's loop runs 12's products in 12's order.
+// the logits): variants 13's and 14's loops run 12's products in 12's order.
 bool SameBits(const Output& a, const Output& b) {
   if (std::memcmp(a.o, b.o, sizeof(a.o)) != 0 || std::memcmp(a.m, b.m, sizeof(a.m)) != 0 ||
       std::memcmp(a.l, b.l, sizeof(a.l)) != 0 || a.logits.size() != b.logits.size()) {
@@ -385,7 +394,8 @@ TEST_P(HistoryWarpEmulationTest, MatchesFp64SoftmaxOverTheSamePages) {
                              kTokensPerChunk, kD, 1, LogitMap<Warp8>::Query());
   const Output o8 = RunHistoryWarp<Warp8>(in);
   const Output o12 = RunHistoryWarp<Warp12>(in);
-  const Output o13 = RunWalk<Warp12, 1, /*kLoadAfterFirstUse=*/true>(in);
+  const Output o13 = RunWalk<Warp12, 1, /*kLoadOrder=*/1>(in);
+  const Output o14 = RunWalk<Warp12, 1, /*kLoadOrder=*/2>(in);
   const Output o3 = RunHistoryWarp<Warp3>(in);
   const Errors e8 = CompareWithFp64(in, o8), e12 = CompareWithFp64(in, o12);
   const Errors e3 = CompareWithFp64(in, o3);
@@ -404,6 +414,7 @@ TEST_P(HistoryWarpEmulationTest, MatchesFp64SoftmaxOverTheSamePages) {
   // The same logits: q·K is the same code in 8 and 12.
   for (int hh = 0; hh < c.g; ++hh) EXPECT_EQ(o8.logits[hh], o12.logits[hh]) << "head " << hh;
   EXPECT_TRUE(SameBits(o13, o12)) << "variant 13's loop against 12's";
+  EXPECT_TRUE(SameBits(o14, o12)) << "variant 14's loop against 12's";
 }
 
 INSTANTIATE_TEST_SUITE_P(
@@ -431,9 +442,11 @@ TEST(HistoryWarpEmulation, WarpOfFourWalksItsChunksOfEightChunkPages) {
   in.walk_warp = 3;
   const Output o8 = RunWalk<Warp8, 4>(in);
   const Output o12 = RunWalk<Warp12, 4>(in);
-  const Output o13 = RunWalk<Warp12, 4, /*kLoadAfterFirstUse=*/true>(in);
+  const Output o13 = RunWalk<Warp12, 4, /*kLoadOrder=*/1>(in);
+  const Output o14 = RunWalk<Warp12, 4, /*kLoadOrder=*/2>(in);
   const Errors e8 = CompareWithFp64(in, o8), e12 = CompareWithFp64(in, o12);
   EXPECT_TRUE(SameBits(o13, o12)) << "variant 13's loop against 12's";
+  EXPECT_TRUE(SameBits(o14, o12)) << "variant 14's loop against 12's";
   std::printf("walk 34 of 136 chunks   o err: v8 %.2e  v12 %.2e; l err: v8 %.1e v12 %.1e\n", e8.o,
               e12.o, e8.l, e12.l);
   EXPECT_LT(e8.o, kOutTol);
