@@ -108,7 +108,7 @@ class AttendLauncher {
   //       default until 2026-12-01, 5-7 % faster than 6 at 64K-128K tokens and at B8, ~1 % at
   //       8K-32K; when the plan folds the exact blocks onto the history units
   //       (set_fold_exact), its kernel runs them before the pages (so do
-  //       12's and 13's);
+  //       12's, 13's and 14's);
   //   9 = 8 held to 128 registers (4 blocks/SM, 16 bytes of spills): 2-4 %
   //       faster than 8 at B1 128K and B8 64K, 9 % slower at 8K and 16 %
   //       at B8 32K (2026-11-30, run 14); kept for measurement;
@@ -130,21 +130,24 @@ class AttendLauncher {
   //       compiled without the benchmark's ablation tests (D = 128, G = D,
   //       <= 4 query heads per kv head; other shapes run what 3 runs there).
   //       Its P' is kept in units of S / 65531, so that S's rounding (it is
-  //       computed from lg + log2 s_V) never clamps a digit. The default
-  //       since 2026-12-01: B8 64K 118.6 -> 114.4 us, B8 32K 70.8 -> 69.0,
-  //       B1 128K 39.2 -> 38.8, within 0.1 us of 8 at B1 8K-64K, same
-  //       errors (H200, RESULTS run 24);
+  //       computed from lg + log2 s_V) never clamps a digit. Against 8:
+  //       B8 64K 118.2 -> 113.9 us, B8 32K 70.9 -> 68.8, B1 8K-128K within
+  //       0.5 us, same errors (H200, 2026-12-01, RESULTS run 24);
   //   13 = 12 with each chunk's loads issued after the first use of the
   //       chunk before it (RunChunksLoadingAfterFirstUse): ptxas waits for
   //       all of the loop's loads at once, so 12's order makes every second
-  //       chunk wait for loads just issued (same shapes as 12);
+  //       chunk wait for loads just issued (same shapes as 12). Against 12:
+  //       B8 64K 114 -> 108 us, B8 32K 68.8 -> 65.9, B1 128K 38.8 -> 38.2;
   //   14 = 13 with the next chunk's loads after the logits of the chunk's
-  //       first 16-token tile, not after both (same shapes as 12).
+  //       first 16-token tile, not after both (same shapes as 12): the
+  //       default since 2026-12-01. Against 13 (same call): B8 64K 107.9 ->
+  //       106.5 us, B8 32K 65.9 -> 64.9, B1 32K 19.9 -> 19.6, B1 8K-128K
+  //       within 0.2 us; against 12, B8 64K 114.3 -> 106.5 (RESULTS run 24).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
   static constexpr int kNumVariants = 15;
   static constexpr int kClusterVariant = 11;
-  static constexpr int kDefaultVariant = 13;
+  static constexpr int kDefaultVariant = 14;
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }
 

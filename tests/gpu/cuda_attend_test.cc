@@ -10,7 +10,7 @@
 //   and exact codes (fp32-level), and p·v with bf16 hi/lo probabilities
 //   (~2^-17 of each term) or with P' as 24-bit fixed point of each chunk's
 //   bound (variants 6, 7: ~2^-23 of it per term): errors of 1e-6..1e-5. The
-//   default for D = 128, G = D, g <= 4 (variant 12, as 8) keeps P' in 16-bit fixed
+//   default for D = 128, G = D, g <= 4 (variant 14, as 8) keeps P' in 16-bit fixed
 //   point of each chunk's max P' (2^-17 of it per term), and the min term
 //   of the asymmetric codes cancels part of the code term, so an output
 //   element near 0 keeps less: measured up to 6.3e-5 (relative L2) and
