@@ -338,7 +338,7 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // (kShortChain; other shapes run 3); 13 = 12 with each chunk's loads after
 // the first use of the chunk before it (kLoadOrder 1; other shapes run 3);
 // 14 = 13 with the loads after the chunk's first tile of logits (kLoadOrder
-// 2; other shapes run 3).
+// 2; other shapes run 3); 15 = 14 at 4 blocks per SM (128 registers).
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
@@ -369,11 +369,16 @@ auto SplitKernelFor(int variant, bool exact_first) {
       return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true>
                          : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true>;
     }
-    if (variant == 13 || variant == 14) {
+    if (variant == 13 || variant == 14 || variant == 15) {
       if (variant == 14) {
         return exact_first
                    ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 2>
                    : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, 2>;
+      }
+      if (variant == 15) {
+        return exact_first
+                   ? &SplitKernel<D, NG, G8, 4, true, false, false, 2, 0, true, true, 2>
+                   : &SplitKernel<D, NG, G8, 4, true, false, false, 2, 0, false, true, 2>;
       }
       return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 1>
                          : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, 1>;

@@ -142,10 +142,13 @@ class AttendLauncher {
   //       first 16-token tile, not after both (same shapes as 12): the
   //       default since 2026-12-01. Against 13 (same call): B8 64K 107.9 ->
   //       106.5 us, B8 32K 65.9 -> 64.9, B1 32K 19.9 -> 19.6, B1 8K-128K
-  //       within 0.2 us; against 12, B8 64K 114.3 -> 106.5 (RESULTS run 24).
+  //       within 0.2 us; against 12, B8 64K 114.3 -> 106.5 (RESULTS run 24);
+  //   15 = 14 held to 128 registers (4 blocks/SM), as 9 is 8: more warps to
+  //       hide the loads' latency, for spills (same shapes as 12). Written
+  //       2026-12-01 after the last GPU call: not yet run.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 15;
+  static constexpr int kNumVariants = 16;
   static constexpr int kClusterVariant = 11;
   static constexpr int kDefaultVariant = 14;
   void set_variant(int variant) { variant_ = variant; }

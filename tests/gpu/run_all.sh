@@ -16,11 +16,11 @@
 # with everything on; SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests (~2 min).
 #
 # Environment: QUICK=1 runs the default variant's attention tests in full,
-# variants 0, 2, 3, 6, 10, 11, 12 and 13 on D = 128 only (not 1, 4 and 7)
+# variants 0, 2, 3, 6, 10, 11, 12, 13 and 15 on D = 128 only (not 1, 4 and 7)
 # and without the heavy folded test (60 s each; the default runs it), the
 # benchmark before the sanitizer, and a smaller sanitizer set, 50 s at most
 # each (memcheck, racecheck and initcheck of the attention, memcheck of
-# variant 13, synccheck of variant 10's stage ring, memcheck of the codec,
+# variant 15, synccheck of variant 10's stage ring, memcheck of the codec,
 # racecheck and synccheck of its roles kernel). With the heavy test in
 # every variant run it took more than 10 min on the H200 (2026-12-01), the
 # device tool's limit for one command;
@@ -85,9 +85,10 @@ grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
 # Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7),
 # the default's loop fed by the shared-memory stage ring (10), in one
 # cluster kernel (11, batches of few items), with the short chunk chain
-# (12) or with 12's loads after the chunk before is first used (13): differ
-# from the others for D = 128, g <= 4 only (6, 7, 10-13 for G = D only).
-for v in 3 6 10 11 12 13 $([ "$quick" = 1 ] || echo 4 7); do
+# (12), with 12's loads after the chunk before is first used (13) or the
+# default's (14) loop at 4 blocks/SM (15): differ from the others for
+# D = 128, g <= 4 only (6, 7, 10-13 and 15 for G = D only).
+for v in 3 6 10 11 12 13 15 $([ "$quick" = 1 ] || echo 4 7); do
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter="*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*$(heavy_off)" \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
@@ -109,7 +110,7 @@ if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-san
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4:*D256_g1_groups2:*D128_g8_groups2:CudaAttendLimits.*'
   run sanitizer_racecheck_attend $cs --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
-  run sanitizer_memcheck_attend_v13 env OSCARKV_CUDA_ATTEND_VARIANT=13 $cs --tool memcheck \
+  run sanitizer_memcheck_attend_v15 env OSCARKV_CUDA_ATTEND_VARIANT=15 $cs --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
   run sanitizer_synccheck_ring env OSCARKV_CUDA_ATTEND_VARIANT=10 $cs --tool synccheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" \
@@ -134,7 +135,7 @@ elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4'
   run sanitizer_memcheck_attend_v4 env OSCARKV_CUDA_ATTEND_VARIANT=4 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
-  run sanitizer_memcheck_attend_v13 env OSCARKV_CUDA_ATTEND_VARIANT=13 compute-sanitizer --tool memcheck \
+  run sanitizer_memcheck_attend_v15 env OSCARKV_CUDA_ATTEND_VARIANT=15 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*'
   run sanitizer_racecheck_codec timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test" --gtest_filter="*Encode*:$roles_test"
