@@ -26,7 +26,7 @@
 //      MergeKernel and writes them (rank 0 the lse).
 // For D = 128, G = D, at most 4 query heads per kv head (variant 8's shape)
 // and batches with at least one cluster per (item, kv head) at once
-// (AttendLauncher::Prepare checks; other batches run variant 8).
+// (AttendLauncher::Prepare checks; other batches run the default variant).
 // Measured slower than variant 8 at every benchmark shape (H200, 2026-11-30,
 // tests/bench/RESULTS.md run 18: B1 8K 26.7 against 18.5 µs with 8-block
 // clusters): kept as an option, for the fixed cost it still has to lose.

@@ -200,7 +200,6 @@ struct ChunkLoads {
   }
 };
 
-
 // Online-softmax state and accumulators of one warp over its history chunks.
 // Thread (r = lane/4, c = lane%4) owns query heads hh0, hh0+1 of the group.
 // kInt: q·K on the integer tensor cores (D = 128, at most 4 query heads per
@@ -568,7 +567,7 @@ __device__ __forceinline__ void RunDoubleBufferedChunks(W& hw, typename W::Regs&
 }
 
 // The same double buffer with each chunk's loads issued after the previous
-// chunk's first use (variants 13 and 14; the service loop, no ablation).
+// chunk's first use (variants 13-15; the service loop, no ablation).
 // ptxas puts every global load of the loop on one scoreboard, and the first
 // use of a chunk waits for that scoreboard to drain: in
 // RunDoubleBufferedChunks the first use of ra's chunk also waits for rb's

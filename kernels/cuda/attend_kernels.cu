@@ -44,7 +44,8 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
 // while the prep kernel runs, instead of after them. kShortChain (variant
 // 12, with kIntPv = 2): HistoryWarpIntPv's shorter chunk chain, and the
 // service's loop (a.ablate == 0) compiled with a literal 0, so it has no
-// per-chunk tests of the benchmark's ablation bits. kLoadOrder (with
+// per-chunk tests of the benchmark's ablation bits (with kStages, variant
+// 16: the ring's loop has none). kLoadOrder (with
 // kShortChain): 0 = that service loop is RunDoubleBufferedChunks (variant
 // 12); 1 = it issues each chunk's loads after the chunk before it is first
 // used (RunChunksLoadingAfterFirstUse, variant 13); 2 = 1 with the loads
@@ -57,7 +58,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv, kShortChain>,
                                   HistoryWarp<D, NG, G8, kInt>>;
   static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
-  static_assert(!kShortChain || (kIntPv == 2 && kStages == 0), "the short chain: variant 8's loop");
+  static_assert(!kShortChain || kIntPv == 2, "the short chain: variant 8's warp");
+  static_assert(kLoadOrder == 0 || kStages == 0, "load orders of the register double buffer");
   static_assert(kLoadOrder == 0 || kShortChain, "the load orders of variant 12's loop");
   static_assert(kStages == 0 || !kPipeline, "the stage ring replaces the register buffers");
   constexpr int HG = C::HG;
@@ -206,7 +208,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           BarrierWait(ring.full + s, phase);
           typename Warp::Regs x;
           hw.LoadStage(x, ring.Stage(s));
-          ProcessChunk(hw, x, ablate);
+          if constexpr (kShortChain) {
+            hw.Process(x);  // variant 16: no ablation tests
+          } else {
+            ProcessChunk(hw, x, ablate);
+          }
           BarrierArrive(ring.empty + s);  // this lane is done with stage s
           if (it + kStages < iters) {
             const uint8_t* page = page_of(it + kStages);
@@ -338,7 +344,8 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // (kShortChain; other shapes run 3); 13 = 12 with each chunk's loads after
 // the first use of the chunk before it (kLoadOrder 1; other shapes run 3);
 // 14 = 13 with the loads after the chunk's first tile of logits (kLoadOrder
-// 2; other shapes run 3); 15 = 14 at 4 blocks per SM (128 registers).
+// 2; other shapes run 3); 15 = 14 at 4 blocks per SM (128 registers); 16 =
+// 10's stage ring feeding 12's warp (kShortChain; other shapes run 3).
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
@@ -348,9 +355,9 @@ inline bool UsesIntQk(int variant, int head_dim, bool g8) {
   return (variant >= 3 && variant <= kLastVariant) && head_dim == 128 && !g8;
 }
 
-// exact_first: the plan folds the exact blocks onto the history units; the
-// default variant then runs its exact-first kernel (the others run the
-// exact blocks after the pages; HasExactFirstKernel asks this function).
+// exact_first: the plan folds the exact blocks onto the history units;
+// variants 8 and 12-16 then run their exact-first kernels (the others run
+// the exact blocks after the pages; HasExactFirstKernel asks this function).
 template <int D, int NG, bool G8>
 auto SplitKernelFor(int variant, bool exact_first) {
   if constexpr (D == 128 && NG == 1) {
@@ -369,7 +376,7 @@ auto SplitKernelFor(int variant, bool exact_first) {
       return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true>
                          : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true>;
     }
-    if (variant == 13 || variant == 14 || variant == 15) {
+    if (variant >= 13 && variant <= 16) {
       if (variant == 14) {
         return exact_first
                    ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 2>
@@ -379,6 +386,11 @@ auto SplitKernelFor(int variant, bool exact_first) {
         return exact_first
                    ? &SplitKernel<D, NG, G8, 4, true, false, false, 2, 0, true, true, 2>
                    : &SplitKernel<D, NG, G8, 4, true, false, false, 2, 0, false, true, 2>;
+      }
+      if (variant == 16) {
+        return exact_first
+                   ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages, true, true>
+                   : &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages, false, true>;
       }
       return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 1>
                          : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, 1>;
@@ -398,7 +410,7 @@ auto SplitKernelFor(int variant, bool exact_first) {
 }
 
 // The split kernel of `variant` for this shape and its dynamic shared
-// memory (the stage ring's, for variant 10 on its shape). The ring of 4
+// memory (the stage ring's, for variants 10 and 16 on their shape). The ring of 4
 // stages takes 36 KB per block, under the default 48 KB limit.
 struct SplitLaunch {
   void (*kernel)(LaunchArgs);
@@ -407,8 +419,8 @@ struct SplitLaunch {
 template <int D, int NG, bool G8>
 SplitLaunch SplitLaunchFor(int variant, bool exact_first) {
   SplitLaunch l{SplitKernelFor<D, NG, G8>(variant, exact_first), 0};
-  if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variant 10 runs on
-    if (variant != 10) return l;
+  if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variants 10 and 16 run on
+    if (variant != 10 && variant != 16) return l;
     using Ring = StageRing<D, NG, kRingStages>;
     // With the kernel's static shared memory (sm_o, sm_m, sm_l and
     // CombineWarpStates' weights).
@@ -462,7 +474,7 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
       return absl::OkStatus();
     }
   }
-  // Variant 11 runs only as the cluster kernel (Prepare plans 8 otherwise):
+  // Variant 11 runs only as the cluster kernel (Prepare plans the default otherwise):
   // its paired query fragments would not match SplitKernelFor(11)'s kernel.
   if (s.variant == AttendLauncher::kClusterVariant) {
     return absl::InternalError("variant 11 launched without its cluster plan");

@@ -141,14 +141,19 @@ class AttendLauncher {
   //   14 = 13 with the next chunk's loads after the logits of the chunk's
   //       first 16-token tile, not after both (same shapes as 12): the
   //       default since 2026-12-01. Against 13 (same call): B8 64K 107.9 ->
-  //       106.5 us, B8 32K 65.9 -> 64.9, B1 32K 19.9 -> 19.6, B1 8K-128K
-  //       within 0.2 us; against 12, B8 64K 114.3 -> 106.5 (RESULTS run 24);
+  //       106.5 us, B8 32K 65.9 -> 64.9, B1 32K 19.9 -> 19.6, the other B1
+  //       shapes within 0.2 us; against 12, B8 64K 114.3 -> 106.5 (RESULTS
+  //       run 24);
   //   15 = 14 held to 128 registers (4 blocks/SM), as 9 is 8: more warps to
   //       hide the loads' latency, for spills (same shapes as 12). Written
-  //       2026-12-01 after the last GPU call: not yet run.
+  //       2026-12-01 after the last GPU call: not yet run;
+  //   16 = 12's warp fed by 10's per-warp ring of 4 shared-memory stages
+  //       (bulk copies): the loads wait on mbarriers, 3 chunks ahead, not on
+  //       the loop's scoreboard (same shapes as 12). Written 2026-12-01
+  //       after the last GPU call: not yet run.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 16;
+  static constexpr int kNumVariants = 17;
   static constexpr int kClusterVariant = 11;
   static constexpr int kDefaultVariant = 14;
   void set_variant(int variant) { variant_ = variant; }
@@ -156,13 +161,13 @@ class AttendLauncher {
 
   // Whether a batch of this shape runs, under `variant`, the history path
   // that keeps P·V's probabilities in 16-bit fixed point of each chunk's max
-  // (variants 8-13 for D = 128, G = D, at most 4 query heads per kv head): output
+  // (variants 8-16 for D = 128, G = D, at most 4 query heads per kv head): output
   // errors up to ~5e-4 of the output's scale, against ~1e-6 for the other
   // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
   static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);
 
   // Blocks per cluster of variant 11's cluster kernel: 8 (the default), 4
-  // or 16; other sizes run variant 8. The environment variable
+  // or 16; other sizes run the default variant. The environment variable
   // OSCARKV_CUDA_ATTEND_CLUSTER_BLOCKS sets the initial value. Takes effect
   // at the next Prepare().
   void set_cluster_blocks(int blocks) { cluster_blocks_ = blocks; }
@@ -184,7 +189,8 @@ class AttendLauncher {
   // For benchmarks only, results are wrong: parts of the history loop of
   // variants 0, 3, 5-8 and 11 (D <= 128) to skip, to time the rest in place
   // (bit 1: q·K, bit 2: softmax and P·V, bit 4: the loads after the first
-  // two chunks).
+  // two chunks). Variants 12-15 with bits set run 12's loop order (the
+  // load orders of 13-15 are their service loops only); 16 ignores them.
   // Takes effect at the next Prepare().
   void set_ablate(int bits) { ablate_ = bits; }
 

@@ -455,6 +455,20 @@ TEST(HistoryWarpEmulation, WarpOfFourWalksItsChunksOfEightChunkPages) {
   EXPECT_LT(e12.l, kSumTol);
 }
 
+// Variants 13's and 14's loops against 12's at every chunk count from 1 to
+// 9 (odd and even; the loops' first chunk, last chunk and buffer swap).
+TEST(HistoryWarpEmulation, LoadOrdersGiveVariant12sBitsAtEveryChunkCount) {
+  for (int chunks = 1; chunks <= 9; ++chunks) {
+    SCOPED_TRACE(testing::Message() << chunks << " chunks");
+    const Input in = MakeInput(3, chunks, Logits::kSpread, chunks % 2 == 1, 2000 + chunks,
+                               kTokensPerChunk, kD, 1, LogitMap<Warp12>::Query());
+    const Output o12 = RunHistoryWarp<Warp12>(in);
+    EXPECT_LT(CompareWithFp64(in, o12).o, kOutTol);
+    EXPECT_TRUE(SameBits(RunWalk<Warp12, 1, /*kLoadOrder=*/1>(in), o12)) << "variant 13";
+    EXPECT_TRUE(SameBits(RunWalk<Warp12, 1, /*kLoadOrder=*/2>(in), o12)) << "variant 14";
+  }
+}
+
 // HistoryWarp at the other shapes (head dims 64 / 256, 2 or 4 quantization
 // groups, 8 query heads per kv head; fp16 hi / lo query columns, bf16 hi /
 // lo P'): the warps variants 0 and 3 run there.

@@ -11,17 +11,20 @@
 #   /work/shared/tools/gpu-bundle .gpu build-cuda/tests/gpu/cuda_codec_test \
 #       build-cuda/tests/gpu/cuda_attend_test build-cuda/tests/gpu/oscarkv_gpu_bench
 # then on the GPU host (the device tool: carry [".gpu"]), e.g.
-#   tests/gpu/run_all.sh /tmp/gpuout .gpu; tar czf $OUT/gpu_logs.tgz -C /tmp gpuout
-# (the device tool brings back at most 8 files: tar the folder). Takes ~3 min
-# with everything on; SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests (~2 min).
+#   timeout 560 tests/gpu/run_all.sh /tmp/gpuout .gpu; tar czf $OUT/gpu_logs.tgz -C /tmp gpuout
+# (the device tool brings back at most 8 files: tar the folder; the timeout
+# keeps the tar inside the tool's 600 s per command). Without QUICK=1 it
+# takes more than 10 min (every variant run has the 60 s heavy test): split
+# it over calls (SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests).
 #
 # Environment: QUICK=1 runs the default variant's attention tests in full,
-# variants 0, 2, 3, 6, 10, 11, 12, 13 and 15 on D = 128 only (not 1, 4 and 7)
+# variants 0, 2, 3, 6, 8, 10-13, 15 and 16 on D = 128 only (not 1, 4 and 7)
 # and without the heavy folded test (60 s each; the default runs it), the
 # benchmark before the sanitizer, and a smaller sanitizer set, 50 s at most
 # each (memcheck, racecheck and initcheck of the attention, memcheck of
-# variant 15, synccheck of variant 10's stage ring, memcheck of the codec,
-# racecheck and synccheck of its roles kernel). With the heavy test in
+# variant 15, synccheck of variants 10's and 16's stage rings, racecheck
+# of 16's, memcheck of the codec, racecheck and synccheck of its roles
+# kernel). With the heavy test in
 # every variant run it took more than 10 min on the H200 (2026-12-01), the
 # device tool's limit for one command;
 # SKIP_SANITIZER=1 skips
@@ -72,7 +75,7 @@ for t in cuda_codec_test cuda_attend_test; do
 done
 
 # The attention tests again with the other split-kernel variants (see
-# AttendLauncher::set_variant; the default is 12): 1 differs for D = 128 only.
+# AttendLauncher::set_variant; the default is 14): 1 differs for D = 128 only.
 [ "$quick" = 1 ] || run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
   --gtest_filter='*D128*:CudaAttendDefaults.*' --gtest_output="json:$out/cuda_attend_test_variant1.json"
 [ "$quick" = 1 ] || grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head -20
@@ -84,11 +87,12 @@ run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cud
 grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
 # Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7),
 # the default's loop fed by the shared-memory stage ring (10), in one
-# cluster kernel (11, batches of few items), with the short chunk chain
-# (12), with 12's loads after the chunk before is first used (13) or the
-# default's (14) loop at 4 blocks/SM (15): differ from the others for
-# D = 128, g <= 4 only (6, 7, 10-13 and 15 for G = D only).
-for v in 3 6 10 11 12 13 15 $([ "$quick" = 1 ] || echo 4 7); do
+# cluster kernel (11, batches of few items), 16-bit P' (8, the default
+# until 2026-12-01), with the short chunk chain (12), with 12's loads after
+# the chunk before is first used (13), the default's (14) loop at 4
+# blocks/SM (15) or 12's warp fed by 10's stage ring (16): differ from the
+# others for D = 128, g <= 4 only (6-8 and 10-16 for G = D only).
+for v in 3 6 8 10 11 12 13 15 16 $([ "$quick" = 1 ] || echo 4 7); do
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter="*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*$(heavy_off)" \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
@@ -115,6 +119,11 @@ if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-san
   run sanitizer_synccheck_ring env OSCARKV_CUDA_ATTEND_VARIANT=10 $cs --tool synccheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.Long*'
+  run sanitizer_synccheck_ring_v16 env OSCARKV_CUDA_ATTEND_VARIANT=16 $cs --tool synccheck \
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" \
+    --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.Long*'
+  run sanitizer_racecheck_ring_v16 env OSCARKV_CUDA_ATTEND_VARIANT=16 $cs --tool racecheck \
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
   run sanitizer_initcheck_attend $cs --tool initcheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2:*D128_g1_groups1'
   run sanitizer_memcheck_codec $cs --tool memcheck --error-exitcode 9 \
@@ -143,6 +152,9 @@ elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null
     "$bundle/bin/cuda_codec_test" --gtest_filter="$roles_test"
   run sanitizer_initcheck_attend compute-sanitizer --tool initcheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g8_groups2'
+  run sanitizer_synccheck_ring_v16 env OSCARKV_CUDA_ATTEND_VARIANT=16 compute-sanitizer \
+    --tool synccheck --error-exitcode 9 "$bundle/bin/cuda_attend_test" \
+    --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.Long*'
   sanitizer_summary
 fi
 
