@@ -345,7 +345,8 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // the first use of the chunk before it (kLoadOrder 1; other shapes run 3);
 // 14 = 13 with the loads after the chunk's first tile of logits (kLoadOrder
 // 2; other shapes run 3); 15 = 14 at 4 blocks per SM (128 registers); 16 =
-// 10's stage ring feeding 12's warp (kShortChain; other shapes run 3).
+// 10's stage ring feeding 12's warp (kShortChain; other shapes run 3); 17 =
+// 16 at 4 blocks per SM.
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
@@ -376,7 +377,7 @@ auto SplitKernelFor(int variant, bool exact_first) {
       return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true>
                          : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true>;
     }
-    if (variant >= 13 && variant <= 16) {
+    if (variant >= 13 && variant <= 17) {
       if (variant == 14) {
         return exact_first
                    ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 2>
@@ -391,6 +392,11 @@ auto SplitKernelFor(int variant, bool exact_first) {
         return exact_first
                    ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages, true, true>
                    : &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages, false, true>;
+      }
+      if (variant == 17) {
+        return exact_first
+                   ? &SplitKernel<D, NG, G8, 4, true, false, false, 2, kRingStages, true, true>
+                   : &SplitKernel<D, NG, G8, 4, true, false, false, 2, kRingStages, false, true>;
       }
       return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 1>
                          : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, 1>;
@@ -420,7 +426,7 @@ template <int D, int NG, bool G8>
 SplitLaunch SplitLaunchFor(int variant, bool exact_first) {
   SplitLaunch l{SplitKernelFor<D, NG, G8>(variant, exact_first), 0};
   if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variants 10 and 16 run on
-    if (variant != 10 && variant != 16) return l;
+    if (variant != 10 && variant != 16 && variant != 17) return l;
     using Ring = StageRing<D, NG, kRingStages>;
     // With the kernel's static shared memory (sm_o, sm_m, sm_l and
     // CombineWarpStates' weights).

@@ -150,10 +150,12 @@ class AttendLauncher {
   //   16 = 12's warp fed by 10's per-warp ring of 4 shared-memory stages
   //       (bulk copies): the loads wait on mbarriers, 3 chunks ahead, not on
   //       the loop's scoreboard (same shapes as 12). Written 2026-12-01
-  //       after the last GPU call: not yet run.
+  //       after the last GPU call: not yet run;
+  //   17 = 16 at 4 blocks/SM (120 / 124 registers without spills, 45 KB of
+  //       shared memory per block; same shapes as 12). Not yet run either.
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 17;
+  static constexpr int kNumVariants = 18;
   static constexpr int kClusterVariant = 11;
   static constexpr int kDefaultVariant = 14;
   void set_variant(int variant) { variant_ = variant; }

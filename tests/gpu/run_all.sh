@@ -18,7 +18,7 @@
 # it over calls (SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests).
 #
 # Environment: QUICK=1 runs the default variant's attention tests in full,
-# variants 0, 2, 3, 6, 8, 10-13, 15 and 16 on D = 128 only (not 1, 4 and 7)
+# variants 0, 2, 3, 6, 8, 10-13 and 15-17 on D = 128 only (not 1, 4 and 7)
 # and without the heavy folded test (60 s each; the default runs it), the
 # benchmark before the sanitizer, and a smaller sanitizer set, 50 s at most
 # each (memcheck, racecheck and initcheck of the attention, memcheck of
@@ -31,6 +31,7 @@
 # compute-sanitizer; SKIP_BENCH=1 skips
 # the benchmark and the PyTorch baseline; BENCH_ITERS (default 200);
 # BENCH_VARIANTS (e.g. 3,6: the split-kernel variants to time; default all);
+# VARIANTS (e.g. "15 16 17": only these variants' test runs; default all);
 # BENCH_TRACE=N (per-block timelines of N calls per row, the bench's --trace); NCU=1 adds
 # ncu profiles of the attention and encode kernels and the SASS of the bench.
 set -u
@@ -76,23 +77,33 @@ done
 
 # The attention tests again with the other split-kernel variants (see
 # AttendLauncher::set_variant; the default is 14): 1 differs for D = 128 only.
-[ "$quick" = 1 ] || run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
-  --gtest_filter='*D128*:CudaAttendDefaults.*' --gtest_output="json:$out/cuda_attend_test_variant1.json"
-[ "$quick" = 1 ] || grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head -20
-run cuda_attend_test_variant2 env OSCARKV_CUDA_ATTEND_VARIANT=2 "$bundle/bin/cuda_attend_test" \
-  --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant2.json"
-grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant2.log" | head -40
-run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cuda_attend_test" \
-  --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant0.json"
-grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
+# VARIANTS (e.g. "15 16 17"): only these variants' runs.
+want() { [ -z "${VARIANTS:-}" ] || [[ " $VARIANTS " == *" $1 "* ]]; }
+if [ "$quick" != 1 ] && want 1; then
+  run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
+    --gtest_filter='*D128*:CudaAttendDefaults.*' --gtest_output="json:$out/cuda_attend_test_variant1.json"
+  grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head -20
+fi
+if want 2; then
+  run cuda_attend_test_variant2 env OSCARKV_CUDA_ATTEND_VARIANT=2 "$bundle/bin/cuda_attend_test" \
+    --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant2.json"
+  grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant2.log" | head -40
+fi
+if want 0; then
+  run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cuda_attend_test" \
+    --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant0.json"
+  grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
+fi
 # Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7),
 # the default's loop fed by the shared-memory stage ring (10), in one
 # cluster kernel (11, batches of few items), 16-bit P' (8, the default
 # until 2026-12-01), with the short chunk chain (12), with 12's loads after
 # the chunk before is first used (13), the default's (14) loop at 4
-# blocks/SM (15) or 12's warp fed by 10's stage ring (16): differ from the
-# others for D = 128, g <= 4 only (6-8 and 10-16 for G = D only).
-for v in 3 6 8 10 11 12 13 15 16 $([ "$quick" = 1 ] || echo 4 7); do
+# blocks/SM (15), 12's warp fed by 10's stage ring (16), 16 at 4 blocks/SM
+# (17): differ from the others for D = 128, g <= 4 only (6-8 and 10-17 for
+# G = D only).
+for v in 3 6 8 10 11 12 13 15 16 17 $([ "$quick" = 1 ] || echo 4 7); do
+  want $v || continue
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter="*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*$(heavy_off)" \
     --gtest_output="json:$out/cuda_attend_test_variant$v.json"
