@@ -44,8 +44,8 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
 // while the prep kernel runs, instead of after them. kShortChain (variant
 // 12, with kIntPv = 2): HistoryWarpIntPv's shorter chunk chain, and the
 // service's loop (a.ablate == 0) compiled with a literal 0, so it has no
-// per-chunk tests of the benchmark's ablation bits (with kStages, variant
-// 16: the ring's loop has none). kLoadOrder (with
+// per-chunk tests of the benchmark's ablation bits (with kStages, variants
+// 16 and 17: the ring's loop has none). kLoadOrder (with
 // kShortChain): 0 = that service loop is RunDoubleBufferedChunks (variant
 // 12); 1 = it issues each chunk's loads after the chunk before it is first
 // used (RunChunksLoadingAfterFirstUse, variant 13); 2 = 1 with the loads
@@ -209,7 +209,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           typename Warp::Regs x;
           hw.LoadStage(x, ring.Stage(s));
           if constexpr (kShortChain) {
-            hw.Process(x);  // variant 16: no ablation tests
+            hw.Process(x);  // variants 16 and 17: no ablation tests
           } else {
             ProcessChunk(hw, x, ablate);
           }
@@ -357,7 +357,7 @@ inline bool UsesIntQk(int variant, int head_dim, bool g8) {
 }
 
 // exact_first: the plan folds the exact blocks onto the history units;
-// variants 8 and 12-16 then run their exact-first kernels (the others run
+// variants 8 and 12-17 then run their exact-first kernels (the others run
 // the exact blocks after the pages; HasExactFirstKernel asks this function).
 template <int D, int NG, bool G8>
 auto SplitKernelFor(int variant, bool exact_first) {
@@ -416,8 +416,8 @@ auto SplitKernelFor(int variant, bool exact_first) {
 }
 
 // The split kernel of `variant` for this shape and its dynamic shared
-// memory (the stage ring's, for variants 10 and 16 on their shape). The ring of 4
-// stages takes 36 KB per block, under the default 48 KB limit.
+// memory (the stage ring's, for variants 10, 16 and 17 on their shape). The
+// ring of 4 stages takes 36 KB per block, under the default 48 KB limit.
 struct SplitLaunch {
   void (*kernel)(LaunchArgs);
   size_t dynamic_smem;
@@ -425,7 +425,7 @@ struct SplitLaunch {
 template <int D, int NG, bool G8>
 SplitLaunch SplitLaunchFor(int variant, bool exact_first) {
   SplitLaunch l{SplitKernelFor<D, NG, G8>(variant, exact_first), 0};
-  if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variants 10 and 16 run on
+  if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variants 10, 16, 17 run on
     if (variant != 10 && variant != 16 && variant != 17) return l;
     using Ring = StageRing<D, NG, kRingStages>;
     // With the kernel's static shared memory (sm_o, sm_m, sm_l and

@@ -105,10 +105,10 @@ class AttendLauncher {
   //       and B8 32K / 64K, 4-13 % at the shorter shapes;
   //   8 = 6 with P' in 16-bit fixed point of each chunk's exact max (relative
   //       L2 errors up to ~6e-5, single elements up to ~5e-4·(1 + |o|)): the
-  //       default until 2026-12-01, 5-7 % faster than 6 at 64K-128K tokens and at B8, ~1 % at
-  //       8K-32K; when the plan folds the exact blocks onto the history units
-  //       (set_fold_exact), its kernel runs them before the pages (so do
-  //       12's, 13's and 14's);
+  //       default until 2026-12-01, 5-7 % faster than 6 at 64K-128K tokens
+  //       and at B8, ~1 % at 8K-32K; when the plan folds the exact blocks
+  //       onto the history units (set_fold_exact), its kernel runs them
+  //       before the pages (so do 12-17's);
   //   9 = 8 held to 128 registers (4 blocks/SM, 16 bytes of spills): 2-4 %
   //       faster than 8 at B1 128K and B8 64K, 9 % slower at 8K and 16 %
   //       at B8 32K (2026-11-30, run 14); kept for measurement;
@@ -145,7 +145,8 @@ class AttendLauncher {
   //       shapes within 0.2 us; against 12, B8 64K 114.3 -> 106.5 (RESULTS
   //       run 24);
   //   15 = 14 held to 128 registers (4 blocks/SM), as 9 is 8: more warps to
-  //       hide the loads' latency, for spills (same shapes as 12). Written
+  //       hide the loads' latency (no spills in its exact-first kernel, 8
+  //       bytes outside the loops in the other; same shapes as 12). Written
   //       2026-12-01 after the last GPU call: not yet run;
   //   16 = 12's warp fed by 10's per-warp ring of 4 shared-memory stages
   //       (bulk copies): the loads wait on mbarriers, 3 chunks ahead, not on
@@ -163,7 +164,7 @@ class AttendLauncher {
 
   // Whether a batch of this shape runs, under `variant`, the history path
   // that keeps P·V's probabilities in 16-bit fixed point of each chunk's max
-  // (variants 8-16 for D = 128, G = D, at most 4 query heads per kv head): output
+  // (variants 8-17 for D = 128, G = D, at most 4 query heads per kv head): output
   // errors up to ~5e-4 of the output's scale, against ~1e-6 for the other
   // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
   static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);
@@ -192,7 +193,8 @@ class AttendLauncher {
   // variants 0, 3, 5-8 and 11 (D <= 128) to skip, to time the rest in place
   // (bit 1: q·K, bit 2: softmax and P·V, bit 4: the loads after the first
   // two chunks). Variants 12-15 with bits set run 12's loop order (the
-  // load orders of 13-15 are their service loops only); 16 ignores them.
+  // load orders of 13-15 are their service loops only); 16 and 17 ignore
+  // them.
   // Takes effect at the next Prepare().
   void set_ablate(int bits) { ablate_ = bits; }
 

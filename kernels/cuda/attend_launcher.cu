@@ -142,7 +142,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.variant = variant_;
   shape.stages = stages_;
   // Variant 11: one cluster kernel with as many clusters per (item, kv
-  // head) as fit at once for all of them; else the default variant's three kernels.
+  // head) as fit at once for all of them; else the default variant's three
+  // kernels.
   int clusters_per_head = 0;
   if (variant_ == kClusterVariant && D == 128 && shape.groups == 1 && !shape.g8) {
     shape.cluster_blocks = cluster_blocks_;

@@ -5,8 +5,8 @@
 //   - HistoryWarpIntPv<.., 2 digits> (variant 8; verified on the H200 by
 //     cuda_attend_test, so this also checks the emulation),
 //   - HistoryWarpIntPv<.., 2 digits, kShortChain> (variant 12), also through
-//     the loops of variants 13 and 14 (the default), which must give 12's
-//     results bit for bit,
+//     the loops of variants 13 and 14 (the default; 15 runs 14's), which
+//     must give 12's results bit for bit,
 //   - HistoryWarp with integer q·K (variant 3: bf16 hi/lo P').
 // Logits come from each warp's own q·K (random query digits, so they are not
 // a real query's); the reference takes those logits and computes, in fp64,
