@@ -129,33 +129,31 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
 
   // Logits of the chunk's 16-token tile tau (tokens 16τ + r + 8e, e = 0, 1).
   __device__ __forceinline__ void LogitsTile(const Regs& x, int tau, float (&lgt)[2]) const {
-    {
-      int s[2][4];
+    int s[2][4];
 #pragma unroll
-      for (int t = 0; t < 2; ++t)
+    for (int t = 0; t < 2; ++t)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) s[t][e] = 0;
-      const uint32_t x0 = x.kc[2 * tau][0], x0b = x.kc[2 * tau][1];
-      const uint32_t x1 = x.kc[2 * tau + 1][0], x1b = x.kc[2 * tau + 1][1];
+      for (int e = 0; e < 4; ++e) s[t][e] = 0;
+    const uint32_t x0 = x.kc[2 * tau][0], x0b = x.kc[2 * tau][1];
+    const uint32_t x1 = x.kc[2 * tau + 1][0], x1b = x.kc[2 * tau + 1][1];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t msk = 0x03030303u << (2 * k);
-        const uint32_t a0 = x0 & msk, a1 = x1 & msk, a2 = x0b & msk, a3 = x1b & msk;
+    for (int k = 0; k < 4; ++k) {
+      const uint32_t msk = 0x03030303u << (2 * k);
+      const uint32_t a0 = x0 & msk, a1 = x1 & msk, a2 = x0b & msk, a3 = x1b & msk;
 #pragma unroll
-        for (int t = 0; t < 2; ++t) ImmaU8S8(s[t], a0, a1, a2, a3, qb[t][k][0], qb[t][k][1]);
-      }
+      for (int t = 0; t < 2; ++t) ImmaU8S8(s[t], a0, a1, a2, a3, qb[t][k][0], qb[t][k][1]);
+    }
 #pragma unroll
-      for (int e = 0; e < 2; ++e) {
-        // Digits 0..3 of head c: tile 0 columns 2c, 2c+1, tile 1 the same.
-        // Pairs combined in int32 (|s| <= 128 · 192 · 64 < 2^21, so 128·s
-        // + s' < 2^29): dot = (128 d0 + d1) / 128 + (128 d2 + d3) / 128^3.
-        const int v01 = s[0][2 * e] * 128 + s[0][2 * e + 1];
-        const int v23 = s[1][2 * e] * 128 + s[1][2 * e + 1];
-        const float dot = fmaf(static_cast<float>(v23), 4.76837158203125e-07f,
-                               static_cast<float>(v01) * 0.0078125f);
-        const uint32_t kp = x.kp[2 * tau + e][0];
-        lgt[e] = fmaf(mult * ParamScale(kp), dot, ParamMin(kp) * qsum);
-      }
+    for (int e = 0; e < 2; ++e) {
+      // Digits 0..3 of head c: tile 0 columns 2c, 2c+1, tile 1 the same.
+      // Pairs combined in int32 (|s| <= 128 · 192 · 64 < 2^21, so 128·s
+      // + s' < 2^29): dot = (128 d0 + d1) / 128 + (128 d2 + d3) / 128^3.
+      const int v01 = s[0][2 * e] * 128 + s[0][2 * e + 1];
+      const int v23 = s[1][2 * e] * 128 + s[1][2 * e + 1];
+      const float dot = fmaf(static_cast<float>(v23), 4.76837158203125e-07f,
+                             static_cast<float>(v01) * 0.0078125f);
+      const uint32_t kp = x.kp[2 * tau + e][0];
+      lgt[e] = fmaf(mult * ParamScale(kp), dot, ParamMin(kp) * qsum);
     }
   }
 
@@ -208,21 +206,14 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   // The P·V MMA's A fragment for code field k and byte pair bp (16 dims x 32
   // tokens of V codes as u8 values c·4^k), from VCodeBytes' t: one AND per
   // 4 codes.
-  // With kShortChain, fields 0..k (c_0 + 4 c_1 + ... + 4^k c_k), and field 3's
-  // fragment is t itself.
+  // With kShortChain, fields 0..k (c_0 + 4 c_1 + ... + 4^k c_k).
   static __device__ __forceinline__ void FieldFragment(const uint32_t (&t)[2][4], int k, int bp,
                                                        uint32_t (&a)[4]) {
-    if (kShortChain && k == 3) {
-      a[0] = t[0][2 * bp];
-      a[1] = t[0][2 * bp + 1];
-      a[2] = t[1][2 * bp];
-      a[3] = t[1][2 * bp + 1];
-      return;
-    }
-    const uint32_t msk = !kShortChain ? 0x03030303u << (2 * k)
-                         : k == 0     ? 0x03030303u
-                         : k == 1     ? 0x0F0F0F0Fu
-                                      : 0x3F3F3F3Fu;
+    // Per byte: field k alone (0x03 << 2k), or with kShortChain fields 0..k
+    // (4^(k+1) - 1: 0x03, 0x0F, 0x3F, 0xFF; k is a constant after
+    // unrolling, so the last AND compiles away).
+    const uint32_t msk = kShortChain ? ((1u << (2 * k + 2)) - 1u) * 0x01010101u
+                                     : 0x03030303u << (2 * k);
     a[0] = t[0][2 * bp] & msk;
     a[1] = t[0][2 * bp + 1] & msk;
     a[2] = t[1][2 * bp] & msk;

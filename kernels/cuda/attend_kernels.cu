@@ -356,6 +356,22 @@ inline bool UsesIntQk(int variant, int head_dim, bool g8) {
   return (variant >= 3 && variant <= kLastVariant) && head_dim == 128 && !g8;
 }
 
+// The split kernels of 16-bit P' on the integer tensor cores with the
+// exact blocks first or after the pages (variants 8 and 12-17): kMinBlocks
+// blocks per SM, kStages ring stages (0: the register double buffer),
+// kShortChain and kLoadOrder as SplitKernel's.
+template <int D, int NG, bool G8, int kMinBlocks, int kStages, bool kShortChain, int kLoadOrder>
+auto IntPv16Kernel(bool exact_first) {
+  return exact_first ? &SplitKernel<D, NG, G8, kMinBlocks, true, false, false, 2, kStages, true,
+                                    kShortChain, kLoadOrder>
+                     : &SplitKernel<D, NG, G8, kMinBlocks, true, false, false, 2, kStages, false,
+                                    kShortChain, kLoadOrder>;
+}
+
+// Whether the variant's kernel for D = 128, G = D, g <= 4 reads its chunks
+// through the per-warp stage ring (StageRing, dynamic shared memory).
+inline bool UsesStageRing(int variant) { return variant == 10 || variant == 16 || variant == 17; }
+
 // exact_first: the plan folds the exact blocks onto the history units;
 // variants 8 and 12-17 then run their exact-first kernels (the others run
 // the exact blocks after the pages; HasExactFirstKernel asks this function).
@@ -368,38 +384,16 @@ auto SplitKernelFor(int variant, bool exact_first) {
     // kInt is HistoryWarp's; HistoryWarpIntPv always runs q·K on integers.
     if (variant == 6) return &SplitKernel<D, NG, G8, 3, true, false, false, 3>;
     if (variant == 7) return &SplitKernel<D, NG, G8, 4, true, false, false, 3>;
-    if (variant == 8) {
-      return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true>
-                         : &SplitKernel<D, NG, G8, 3, true, false, false, 2>;
-    }
+    if (variant == 8) return IntPv16Kernel<D, NG, G8, 3, 0, false, 0>(exact_first);
     if (variant == 9) return &SplitKernel<D, NG, G8, 4, true, false, false, 2>;
-    if (variant == 12) {
-      return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true>
-                         : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true>;
-    }
-    if (variant >= 13 && variant <= 17) {
-      if (variant == 14) {
-        return exact_first
-                   ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 2>
-                   : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, 2>;
-      }
-      if (variant == 15) {
-        return exact_first
-                   ? &SplitKernel<D, NG, G8, 4, true, false, false, 2, 0, true, true, 2>
-                   : &SplitKernel<D, NG, G8, 4, true, false, false, 2, 0, false, true, 2>;
-      }
-      if (variant == 16) {
-        return exact_first
-                   ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages, true, true>
-                   : &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages, false, true>;
-      }
-      if (variant == 17) {
-        return exact_first
-                   ? &SplitKernel<D, NG, G8, 4, true, false, false, 2, kRingStages, true, true>
-                   : &SplitKernel<D, NG, G8, 4, true, false, false, 2, kRingStages, false, true>;
-      }
-      return exact_first ? &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, true, true, 1>
-                         : &SplitKernel<D, NG, G8, 3, true, false, false, 2, 0, false, true, 1>;
+    switch (variant) {
+      case 12: return IntPv16Kernel<D, NG, G8, 3, 0, true, 0>(exact_first);
+      case 13: return IntPv16Kernel<D, NG, G8, 3, 0, true, 1>(exact_first);
+      case 14: return IntPv16Kernel<D, NG, G8, 3, 0, true, 2>(exact_first);
+      case 15: return IntPv16Kernel<D, NG, G8, 4, 0, true, 2>(exact_first);
+      case 16: return IntPv16Kernel<D, NG, G8, 3, kRingStages, true, 0>(exact_first);
+      case 17: return IntPv16Kernel<D, NG, G8, 4, kRingStages, true, 0>(exact_first);
+      default: break;
     }
     if (variant == 10) return &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages>;
   }
@@ -426,7 +420,7 @@ template <int D, int NG, bool G8>
 SplitLaunch SplitLaunchFor(int variant, bool exact_first) {
   SplitLaunch l{SplitKernelFor<D, NG, G8>(variant, exact_first), 0};
   if constexpr (D == 128 && NG == 1 && !G8) {  // the shape variants 10, 16, 17 run on
-    if (variant != 10 && variant != 16 && variant != 17) return l;
+    if (!UsesStageRing(variant)) return l;
     using Ring = StageRing<D, NG, kRingStages>;
     // With the kernel's static shared memory (sm_o, sm_m, sm_l and
     // CombineWarpStates' weights).
