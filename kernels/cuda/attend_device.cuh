@@ -198,6 +198,35 @@ __device__ __forceinline__ float FastRcp(float x) {
   return y;
 }
 
+// Loads of page bytes (read-only path). A call reads each page byte once,
+// so its lines are the first to leave L2 (evict-first policy): the partials,
+// R_V and plans that the merge kernel reads next stay there. The policy is
+// a constant: ptxas keeps it in a uniform register pair, the load's memory
+// descriptor, and the loads take no other register. (The warp emulation's
+// are plain reads.)
+__device__ __forceinline__ uint64_t PageStreamPolicy() {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
+  return policy;
+}
+__device__ __forceinline__ uint32_t Ld16(const uint8_t* p) {
+  unsigned short v;
+  asm("ld.global.nc.L2::cache_hint.u16 %0, [%1], %2;\n" : "=h"(v) : "l"(p), "l"(PageStreamPolicy()));
+  return v;
+}
+__device__ __forceinline__ uint32_t Ld32(const uint8_t* p) {
+  uint32_t v;
+  asm("ld.global.nc.L2::cache_hint.u32 %0, [%1], %2;\n" : "=r"(v) : "l"(p), "l"(PageStreamPolicy()));
+  return v;
+}
+__device__ __forceinline__ uint2 Ld64(const uint8_t* p) {
+  uint2 v;
+  asm("ld.global.nc.L2::cache_hint.v2.u32 {%0, %1}, [%2], %3;\n"
+      : "=r"(v.x), "=r"(v.y)
+      : "l"(p), "l"(PageStreamPolicy()));
+  return v;
+}
+
 #endif  // !OSCARKV_WARP_EMULATION
 
 // One round of WarpSumScatter: each lane keeps kHalf of its 2·kHalf values
@@ -259,13 +288,6 @@ __device__ __forceinline__ float ParamScale(uint32_t p) {
 }
 __device__ __forceinline__ float ParamMin(uint32_t p) {
   return __half2float(__ushort_as_half(static_cast<unsigned short>(p >> 16)));
-}
-
-__device__ __forceinline__ uint32_t Ld32(const uint8_t* p) {
-  return __ldg(reinterpret_cast<const unsigned int*>(p));
-}
-__device__ __forceinline__ uint2 Ld64(const uint8_t* p) {
-  return __ldg(reinterpret_cast<const uint2*>(p));
 }
 
 // Registers of one 32-token chunk of one page for one kv head.

@@ -91,9 +91,7 @@ struct ChunkLoads {
   // Where a chunk's words are read from: the pages in global memory (the
   // read-only path) or a shared-memory stage (StageRing).
   struct FromGlobal {
-    static __device__ __forceinline__ uint32_t U16(const uint8_t* p) {
-      return __ldg(reinterpret_cast<const unsigned short*>(p));
-    }
+    static __device__ __forceinline__ uint32_t U16(const uint8_t* p) { return Ld16(p); }
     static __device__ __forceinline__ uint32_t U32(const uint8_t* p) { return Ld32(p); }
     static __device__ __forceinline__ uint2 U64(const uint8_t* p) { return Ld64(p); }
   };

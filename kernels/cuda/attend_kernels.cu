@@ -346,8 +346,8 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // 14 = 13 with the loads after the chunk's first tile of logits (kLoadOrder
 // 2; other shapes run 3); 15 = 14 at 4 blocks per SM (128 registers); 16 =
 // 10's stage ring feeding 12's warp (kShortChain; other shapes run 3); 17 =
-// 16 at 4 blocks per SM.
-constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
+// 16 at 4 blocks per SM. (18, auto, is resolved to 14 or 15 by Prepare.)
+constexpr int kLastVariant = AttendLauncher::kAutoVariant - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
   return variant >= 6 && variant <= kLastVariant && head_dim == 128 && groups == 1 && !g8;
@@ -635,7 +635,13 @@ absl::StatusOr<double> AttendTraceTimerStepNs() {
   return static_cast<double>(step);
 }
 
+int AttendLauncher::ResolveVariant(int variant, long history_token_heads, int num_sms) {
+  if (variant != kAutoVariant) return variant;
+  return history_token_heads >= kHeavyTokenHeadsPerSm * std::max(1, num_sms) ? 15 : 14;
+}
+
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {
+  if (variant == kAutoVariant) variant = 14;  // 15's shapes and P' are 14's
   return variant >= 8 && group_size > 0 &&
          cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
 }

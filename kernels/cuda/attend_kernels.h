@@ -49,6 +49,8 @@ struct AttendSchedule {
   // clusters of cluster_blocks blocks per (item, kv head).
   int clusters_per_head = 0;
   int cluster_blocks = 0;
+  // The split-kernel variant that ran (variant 18 resolves to 14 or 15).
+  int variant = 0;
 };
 
 // For benchmarks: the per-block timeline of one call's kernels
@@ -153,12 +155,29 @@ class AttendLauncher {
   //       the loop's scoreboard (same shapes as 12). Written 2026-12-01
   //       after the last GPU call: not yet run;
   //   17 = 16 at 4 blocks/SM (120 / 124 registers without spills, 45 KB of
-  //       shared memory per block; same shapes as 12). Not yet run either.
+  //       shared memory per block; same shapes as 12). Against 14 (H200,
+  //       2026-12-01, RESULTS run 25): 15 is 5 % faster at B8 (64K 105.6 ->
+  //       100.4 us, 32K 64.4 -> 61.6) and 2 % at B1 128K (38.0 -> 37.2),
+  //       the same at B1 64K and 5-6 % slower at B1 8K-32K (more, shorter
+  //       units and more partials); 16 and 17 are slower than 14 except
+  //       at B1 128K (16: 36.8 us);
+  //   18 = auto, the default: 15 when the batch's history gives each SM at
+  //       least kHeavyTokenHeadsPerSm (token, kv head) pairs, else 14
+  //       (ResolveVariant).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 18;
+  static constexpr int kNumVariants = 19;
   static constexpr int kClusterVariant = 11;
-  static constexpr int kDefaultVariant = 14;
+  static constexpr int kAutoVariant = 18;
+  static constexpr int kDefaultVariant = kAutoVariant;
+  // History (token, kv head) pairs per SM from which variant 18 runs 15:
+  // between B1 64K (3,971 per SM on 132 SMs, where 14 and 15 take the
+  // same time) and B1 128K (7,943, 15 faster).
+  static constexpr long kHeavyTokenHeadsPerSm = 6144;
+  // The variant a Prepare() of `variant` runs for a batch whose history
+  // holds `history_token_heads` (token, kv head) pairs on `num_sms` SMs:
+  // `variant` itself unless it is kAutoVariant.
+  static int ResolveVariant(int variant, long history_token_heads, int num_sms);
   void set_variant(int variant) { variant_ = variant; }
   int variant() const { return variant_; }
 

@@ -139,7 +139,10 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.num_items = n;
   shape.kv_heads = H;
   shape.hq = b.num_q_heads;
-  shape.variant = variant_;
+  long history_token_heads = 0;
+  for (int i = 0; i < n; ++i) history_token_heads += long(b.items[i].num_pages) * geom.page_tokens;
+  history_token_heads *= H;
+  shape.variant = ResolveVariant(variant_, history_token_heads, num_sms_);
   shape.stages = stages_;
   // Variant 11: one cluster kernel with as many clusters per (item, kv
   // head) as fit at once for all of them; else the default variant's three
@@ -159,7 +162,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
                                   : 1;
     if (clusters_per_head < 1) shape.cluster_blocks = 0;
   }
-  if (variant_ == kClusterVariant && shape.cluster_blocks == 0) shape.variant = kDefaultVariant;
+  if (variant_ == kClusterVariant && shape.cluster_blocks == 0) {
+    shape.variant = ResolveVariant(kDefaultVariant, history_token_heads, num_sms_);
+  }
 
   // Work units: exact-only units first (short), then history ranges (which
   // may carry exact blocks) sized so that all units fit in one wave of
@@ -412,6 +417,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.upload_bytes = upload + sizeof(void*) * new_entries;
   schedule_.pages_uploaded = table_pages + new_entries;
   schedule_.clusters_per_head = shape.cluster_blocks > 0 ? clusters_per_head : 0;
+  schedule_.variant = shape.variant;
   schedule_.cluster_blocks = shape.cluster_blocks;
   return absl::OkStatus();
 }

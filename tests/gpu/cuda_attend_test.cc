@@ -369,6 +369,34 @@ TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReferen
   }
 }
 
+// Variant 18 (auto, the default) runs 15 from kHeavyTokenHeadsPerSm history
+// (token, kv head) pairs per SM, else 14; every other variant runs itself.
+// Needs no device: the choice is the host's.
+TEST(CudaAttendVariant, AutoRunsFifteenFromTheHeavyThresholdElseFourteen) {
+  constexpr int kAuto = AttendLauncher::kAutoVariant;
+  constexpr long kPerSm = AttendLauncher::kHeavyTokenHeadsPerSm;
+  EXPECT_EQ(AttendLauncher::kDefaultVariant, kAuto);
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, 0, 132), 14);
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, kPerSm * 132 - 1, 132), 14);
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, kPerSm * 132, 132), 15);
+  // The benchmark's shapes on an H200 (132 SMs, 8 kv heads, 32-token pages).
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, (65536L - 320) * 8, 132), 14);   // B1 64K
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, (131072L - 320) * 8, 132), 15);  // B1 128K
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, 8 * (32768L - 320) * 8, 132), 15);  // B8 32K
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, kPerSm, 0), 15);  // no SM count: one
+  for (int v = 0; v < kAuto; ++v) EXPECT_EQ(AttendLauncher::ResolveVariant(v, 1L << 40, 132), v);
+  // 14 and 15 share their shapes and their 16-bit P', so auto's tolerance is theirs.
+  for (int gqa : {1, 4, 8}) {
+    for (int group : {32, 128}) {
+      EXPECT_EQ(AttendLauncher::UsesFixedPoint16(kAuto, 128, group, gqa),
+                AttendLauncher::UsesFixedPoint16(14, 128, group, gqa));
+      EXPECT_EQ(AttendLauncher::UsesFixedPoint16(15, 128, group, gqa),
+                AttendLauncher::UsesFixedPoint16(14, 128, group, gqa));
+    }
+  }
+  EXPECT_TRUE(AttendLauncher::UsesFixedPoint16(kAuto, 128, 128, 4));
+}
+
 TEST(CudaAttendLimits, UnsupportedShapesAndBadItemsGiveAClearStatus) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   AttendItem item;

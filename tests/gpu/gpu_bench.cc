@@ -645,8 +645,9 @@ int Main(int argc, char** argv) {
       std::printf("one cluster kernel: %d blocks, %d clusters of %d per kv head\n",
                   sched.history_units, sched.clusters_per_head, sched.cluster_blocks);
     } else {
-      std::printf("units: %d exact + %d history (%d pages each), %d partials\n", sched.exact_units,
-                  sched.history_units, sched.pages_per_unit, sched.partials);
+      std::printf("units: %d exact + %d history (%d pages each), %d partials; ran v%d\n",
+                  sched.exact_units, sched.history_units, sched.pages_per_unit, sched.partials,
+                  sched.variant);
     }
     for (const CallTimes* ct : {&unnamed, &named}) {
       const double* h = ct->host_us;
@@ -670,7 +671,8 @@ int Main(int argc, char** argv) {
                     {"sdpa_us", sdpa}, {"speedup", sdpa > 0 ? sdpa / std::min(us, graph_us) : 0.0},
                     {"bytes", bytes}, {"gbs", gbs}, {"pct_copy", 100.0 * gbs / copy_gbs},
                     {"history_units", sc.history_units}, {"exact_units", sc.exact_units},
-                    {"pages_per_unit", sc.pages_per_unit}, {"nonfinite", bad},
+                    {"pages_per_unit", sc.pages_per_unit}, {"ran_variant", sc.variant},
+                    {"nonfinite", bad},
                     {"gpu_us", gpu_us}, {"sdpa_gpu_us", sdpa_gpu},
                     {"prep_us", stage_us[0]}, {"prep_split_us", stage_us[1]}});
   }

@@ -75,7 +75,8 @@ for t in cuda_codec_test cuda_attend_test; do
 done
 
 # The attention tests again with the other split-kernel variants (see
-# AttendLauncher::set_variant; the default is 14): 1 differs for D = 128 only.
+# AttendLauncher::set_variant; the default is 18, auto: 14 or 15): 1 differs
+# for D = 128 only.
 # VARIANTS (e.g. "15 16 17"): only these variants' runs.
 want() { [ -z "${VARIANTS:-}" ] || [[ " $VARIANTS " == *" $1 "* ]]; }
 if [ "$quick" != 1 ] && want 1; then
@@ -101,7 +102,7 @@ fi
 # blocks/SM (15), 12's warp fed by 10's stage ring (16), 16 at 4 blocks/SM
 # (17): differ from the others for D = 128, g <= 4 only (6-8 and 10-17 for
 # G = D only).
-for v in 3 6 8 10 11 12 13 15 16 17 $([ "$quick" = 1 ] || echo 4 7); do
+for v in 3 6 8 10 11 12 13 14 15 16 17 $([ "$quick" = 1 ] || echo 4 7); do
   want $v || continue
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
     --gtest_filter="*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*$(heavy_off)" \
