@@ -459,6 +459,15 @@ inline ClusterKernelFn ClusterKernelFor(int cluster_blocks) {
   }
 }
 
+// The merge kernel: 64-dim slices (D = 128, not wide) or 32-dim ones.
+template <int D>
+auto MergeKernelFor(bool wide, int slice) {
+  if constexpr (D == 128) {
+    if (!wide && slice == 64) return &MergeKernel<D, false, 64>;
+  }
+  return wide ? &MergeKernel<D, true, 32> : &MergeKernel<D, false, 32>;
+}
+
 template <int D, int NG, bool G8>
 absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStream_t stream) {
   LaunchArgs a = args;
@@ -494,11 +503,20 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
                                       split.dynamic_smem));
   }
   if (s.stages >= 3) {
-    OSCARKV_RETURN_IF_ERROR(
-        LaunchPdl(s.wide_merge ? &MergeKernel<D, true> : &MergeKernel<D, false>,
-                  dim3(s.num_items, s.hq, D / 32), dim3(kThreads), stream, a));
+    OSCARKV_RETURN_IF_ERROR(LaunchPdl(MergeKernelFor<D>(s.wide_merge, s.merge_slice),
+                                      dim3(s.num_items, s.hq, D / s.merge_slice), dim3(kThreads),
+                                      stream, a));
   }
   return absl::OkStatus();
+}
+
+// Resident blocks per SM of the narrow merge kernel with 32-dim slices.
+template <int D, int NG, bool G8>
+absl::StatusOr<int> MergeBlocksPerSmTyped(const LaunchShape&) {
+  int blocks = 0;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, MergeKernelFor<D>(false, 32), kThreads, 0));
+  return blocks;
 }
 
 // Asked by AttendLauncher::Prepare once per kernel, on the launcher's device,
@@ -593,6 +611,10 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& s, cudaS
 }
 
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(BlocksPerSmTyped, s) }
+
+absl::StatusOr<int> MergeBlocksPerSm(const LaunchShape& s) {
+  OSCARKV_DISPATCH(MergeBlocksPerSmTyped, s)
+}
 
 absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& s) {
   OSCARKV_DISPATCH(ExactFirstTyped, s)

@@ -51,6 +51,7 @@ struct AttendSchedule {
   int cluster_blocks = 0;
   // The split-kernel variant that ran (variant 18 resolves to 14 or 15).
   int variant = 0;
+  int merge_slice = 32;  // output dims per merge block (32 or 64)
 };
 
 // For benchmarks: the per-block timeline of one call's kernels
@@ -286,6 +287,8 @@ class AttendLauncher {
   std::vector<size_t> copy_sizes_;
   // Resident blocks per SM of each split kernel used so far (by shape and variant).
   std::map<std::pair<int, int>, int> split_blocks_per_sm_;
+  // Resident blocks per SM of the 32-dim narrow merge kernel, by head dim.
+  std::map<int, int> merge_blocks_per_sm_;
   // Blocks per cluster of the cluster kernel, and clusters of each size
   // resident at once (asked once per size).
   int cluster_blocks_ = cuda_attend::kClusterBlocks;

@@ -23,6 +23,9 @@ struct LaunchShape {
   int variant = 0;  // split-kernel variant: set by AttendLauncher::Prepare (set_variant)
   int stages = 3;   // kernels enqueued: 1 = prep, 2 = + split, 3 = + merge (all)
   bool wide_merge = false;  // MergeBatch(head_dim, true): some kv head has many partials
+  // Output dims per merge block: 32, or 64 (D = 128, not wide_merge) when
+  // the grid of 32-dim blocks would not be resident at once.
+  int merge_slice = 32;
   // The plan folds the exact blocks onto the history units (UnitSizes::
   // fold_exact): the default variant's split kernel then runs them first.
   bool exact_first = false;
@@ -44,6 +47,10 @@ absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& shape);
 
 // Resident blocks per multiprocessor of the split kernel for this shape.
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& shape);
+
+// Resident blocks per multiprocessor of the narrow merge kernel with 32-dim
+// slices for this head dim.
+absl::StatusOr<int> MergeBlocksPerSm(const LaunchShape& shape);
 
 // Clusters of the cluster kernel with shape.cluster_blocks blocks each
 // resident at once for this shape (0: no such kernel for the shape).

@@ -355,6 +355,17 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     max_splits = std::max(max_splits, items[i].hist_splits + items[i].exact_splits);
   }
   shape.wide_merge = max_splits > cuda_attend::kWarps * cuda_attend::MergeBatch(D, false);
+  // 64-dim merge slices when the 32-dim grid would take two waves (B8 at
+  // D 128 on an H200: 1024 blocks, 4 per SM).
+  if (!shape.wide_merge && D == 128) {
+    auto known = merge_blocks_per_sm_.find(D);
+    if (known == merge_blocks_per_sm_.end()) {
+      OSCARKV_ASSIGN_OR_RETURN(const int blocks, cuda_attend::MergeBlocksPerSm(shape));
+      known = merge_blocks_per_sm_.emplace(D, blocks).first;
+    }
+    const long grid32 = long(n) * b.num_q_heads * (D / 32);
+    shape.merge_slice = grid32 > long(known->second) * num_sms_ ? 64 : 32;
+  }
   const int w = static_cast<int>(num_work);
   copy_sizes_[0] = upload;
   OSCARKV_RETURN_IF_ERROR(CopyBatchToDevice(copy_dsts_.data(), copy_srcs_.data(),
@@ -418,6 +429,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.pages_uploaded = table_pages + new_entries;
   schedule_.clusters_per_head = shape.cluster_blocks > 0 ? clusters_per_head : 0;
   schedule_.variant = shape.variant;
+  schedule_.merge_slice = shape.merge_slice;
   schedule_.cluster_blocks = shape.cluster_blocks;
   return absl::OkStatus();
 }

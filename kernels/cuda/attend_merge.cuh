@@ -157,14 +157,21 @@ __device__ void CombineWarps(const MergeState<D> (&st)[2], float (*sm_a)[kWarps]
 // waits on this kernel's instructions, one warp per scheduler (H200,
 // 2026-11-30, run 19): the partials' statistics are read one per lane and
 // combined with shuffles (below), not one partial after another.
-template <int D, bool kWide>
+// kSlice 64 (D = 128, not kWide; AttendLauncher::Prepare) halves the grid for batches
+// whose 32-dim grid would not be resident at once (two waves at B8 on an
+// H200); its R_V rows wait in shared memory, not registers (5 blocks per SM
+// instead of 4).
+template <int D, bool kWide, int kSlice>
 __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArgs a) {
-  constexpr int EL = D / 32, kSlice = 32, kPerWarp = kSlice / kWarps;
+  static_assert(kSlice == 32 || (kSlice == 64 && D == 128 && !kWide), "slices of 32 or 64 dims");
+  constexpr bool kRvShared = kSlice > 32;
+  constexpr int EL = D / 32, kPerWarp = kSlice / kWarps;
   constexpr int kBatch = MergeBatch(D, kWide);  // partials per warp loaded before combining
   __shared__ float sm_a[2][kWarps][D];
   __shared__ float sm_m[2][kWarps], sm_l[2][kWarps];
   __shared__ float o_set[2][D];  // [0]: history (rotated basis), [1]: exact
   __shared__ float o_hist[kSlice];
+  __shared__ __align__(16) float rv_s[kRvShared ? kSlice : 1][kRvShared ? D : 4];
   const int item_idx = blockIdx.x, qh = blockIdx.y, j0 = blockIdx.z * kSlice;
   const int warp = WarpIndex(), lane = threadIdx.x & 31;
   const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
@@ -177,14 +184,23 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   const int hfirst = item.hist_begin + h * nh, efirst = item.exact_begin + h * ne;
   float* const out = item.out;
   float* const lse_out = item.lse;
-  float rr[kPerWarp][EL];
+  float rr[kRvShared ? 1 : kPerWarp][EL];
   if (item.num_pages > 0) {
     const float* rv = item.rotation.r_v + item.rotation.stride * h;
+    if constexpr (kRvShared) {
+      // Rows j0 .. j0 + kSlice - 1 (read after CombineWarps' barriers).
+      const float4* src = reinterpret_cast<const float4*>(rv + size_t(j0) * D);
+#pragma unroll 4
+      for (int i = threadIdx.x; i < kSlice * D / 4; i += kThreads) {
+        *reinterpret_cast<float4*>(&rv_s[i / (D / 4)][4 * (i % (D / 4))]) = __ldg(src + i);
+      }
+    } else {
 #pragma unroll
-    for (int jj = 0; jj < kPerWarp; ++jj) {
-      const int j = j0 + warp * kPerWarp + jj;
+      for (int jj = 0; jj < kPerWarp; ++jj) {
+        const int j = j0 + warp * kPerWarp + jj;
 #pragma unroll
-      for (int e = 0; e < EL; ++e) rr[jj][e] = __ldg(rv + size_t(j) * D + lane + 32 * e);
+        for (int e = 0; e < EL; ++e) rr[jj][e] = __ldg(rv + size_t(j) * D + lane + 32 * e);
+      }
     }
   }
   WaitForPrerequisites();  // the split kernel's partials
@@ -286,8 +302,8 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   Trace(trace, block, kTraceLoopDone);
   const float lse_h2 = lse2[0], lse_e2 = lse2[1];
   if (lse_h2 != -INFINITY) {
-    // Warp w's kPerWarp (8) rows of R_V: every lane's share of each dot
-    // product, then one reduce-scatter (9 shuffles, not 8 chains of 5).
+    // Warp w's kPerWarp (8 or 16) rows of R_V: every lane's share of each
+    // dot product, then one reduce-scatter (9 shuffles, not 8 chains of 5).
     float ov[EL], s[kPerWarp];
 #pragma unroll
     for (int e = 0; e < EL; ++e) ov[e] = o_set[0][lane + 32 * e];
@@ -295,7 +311,13 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
     for (int jj = 0; jj < kPerWarp; ++jj) {
       s[jj] = 0.0f;
 #pragma unroll
-      for (int e = 0; e < EL; ++e) s[jj] = fmaf(ov[e], rr[jj][e], s[jj]);
+      for (int e = 0; e < EL; ++e) {
+        if constexpr (kRvShared) {
+          s[jj] = fmaf(ov[e], rv_s[warp * kPerWarp + jj][lane + 32 * e], s[jj]);
+        } else {
+          s[jj] = fmaf(ov[e], rr[jj][e], s[jj]);
+        }
+      }
     }
     const float sum = WarpSumScatter(s, lane);
     const int slot = WarpSumScatterSlot<kPerWarp>(lane);

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstdio>
+#include <iterator>
 #include <map>
 #include <string>
 #include <utility>
@@ -86,6 +87,43 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
     if (k == kTraceSplit) {
       out["split.history_loop_us"] = SpreadOf(history_run);
       out["split.exact_rest_us"] = SpreadOf(exact_run);
+      // By multiprocessor: how many split blocks ran on each, each block's
+      // history loop by that count, and each SM's last block end.
+      std::map<unsigned long long, int> on_sm;
+      std::map<unsigned long long, double> sm_end;
+      for (size_t b = 0; b < t.blocks(k); ++b) {
+        const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
+        if (row[kTraceStart] == 0) continue;
+        ++on_sm[row[kTraceSm]];
+        if (row[kTraceEnd] != 0) {
+          const double end = double(static_cast<long long>(row[kTraceEnd] - t0)) / 1e3;
+          auto [it, fresh] = sm_end.emplace(row[kTraceSm], end);
+          if (!fresh) it->second = std::max(it->second, end);
+        }
+      }
+      std::map<int, std::vector<double>> loop_by_count;
+      for (size_t b = 0; b < t.blocks(k); ++b) {
+        const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
+        if (row[kTraceStart] == 0 || row[kTraceWaited] == 0 || row[kTraceLoopDone] == 0) continue;
+        loop_by_count[on_sm[row[kTraceSm]]].push_back(
+            double(static_cast<long long>(row[kTraceLoopDone] - row[kTraceWaited])) / 1e3);
+      }
+      for (auto& [count, v] : loop_by_count) {
+        out["split.history_loop_us@" + std::to_string(count)] = SpreadOf(std::move(v));
+      }
+      std::vector<double> ends;
+      for (const auto& [sm, end] : sm_end) ends.push_back(end);
+      out["split.sm_end"] = SpreadOf(std::move(ends));
+      // The ends of units with and without exact blocks (folded or not).
+      std::vector<double> end_exact, end_pages_only;
+      for (size_t b = 0; b < t.blocks(k); ++b) {
+        const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
+        if (row[kTraceEnd] == 0 || row[kTraceWaited] == 0) continue;
+        const double end = double(static_cast<long long>(row[kTraceEnd] - t0)) / 1e3;
+        (row[kTraceExactDone] != 0 ? end_exact : end_pages_only).push_back(end);
+      }
+      out["split.end@with_exact"] = SpreadOf(std::move(end_exact));
+      out["split.end@pages_only"] = SpreadOf(std::move(end_pages_only));
     }
   }
   return out;
@@ -108,7 +146,18 @@ inline void PrintTraceSummary(const std::vector<AttendTrace>& calls, const char*
       "split.block_us",      "split.history_loop_us", "split.exact_rest_us",   "merge.start",
       "merge.waited",        "merge.warp0_added",   "merge.combined",      "merge.end",
       "merge.block_us"};
-  for (const char* name : order) {
+  std::vector<std::string> names(std::begin(order), std::end(order));
+  // After the split's figures: its loops by blocks per SM, its SMs' ends.
+  const auto split_end = std::find(names.begin(), names.end(), "split.exact_rest_us") + 1;
+  std::vector<std::string> per_sm;
+  for (const auto& [name, v] : all) {
+    if (name.rfind("split.history_loop_us@", 0) == 0) per_sm.push_back(name);
+  }
+  per_sm.push_back("split.sm_end");
+  per_sm.push_back("split.end@with_exact");
+  per_sm.push_back("split.end@pages_only");
+  names.insert(split_end, per_sm.begin(), per_sm.end());
+  for (const std::string& name : names) {
     const auto it = all.find(name);
     if (it == all.end() || it->second.empty() || it->second[0].n == 0) continue;
     std::vector<double> f, m, l;
@@ -117,8 +166,8 @@ inline void PrintTraceSummary(const std::vector<AttendTrace>& calls, const char*
       m.push_back(s.median);
       l.push_back(s.last);
     }
-    std::printf("%s%-22s %7.2f / %7.2f / %7.2f us  (%zu blocks)\n", indent, name, Median(f),
-                Median(m), Median(l), it->second[0].n);
+    std::printf("%s%-25s %7.2f / %7.2f / %7.2f us  (%zu %s)\n", indent, name.c_str(), Median(f),
+                Median(m), Median(l), it->second[0].n, name == "split.sm_end" ? "SMs" : "blocks");
   }
 }
 

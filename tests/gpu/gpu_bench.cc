@@ -645,9 +645,10 @@ int Main(int argc, char** argv) {
       std::printf("one cluster kernel: %d blocks, %d clusters of %d per kv head\n",
                   sched.history_units, sched.clusters_per_head, sched.cluster_blocks);
     } else {
-      std::printf("units: %d exact + %d history (%d pages each), %d partials; ran v%d\n",
+      std::printf("units: %d exact + %d history (%d pages each), %d partials; ran v%d, "
+                  "merge slices of %d dims\n",
                   sched.exact_units, sched.history_units, sched.pages_per_unit, sched.partials,
-                  sched.variant);
+                  sched.variant, sched.merge_slice);
     }
     for (const CallTimes* ct : {&unnamed, &named}) {
       const double* h = ct->host_us;
