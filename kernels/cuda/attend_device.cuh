@@ -203,7 +203,10 @@ __device__ __forceinline__ float FastRcp(float x) {
 // R_V and plans that the merge kernel reads next stay there. The policy is
 // a constant: ptxas keeps it in a uniform register pair, the load's memory
 // descriptor, and the loads take no other register. (The warp emulation's
-// are plain reads.)
+// are plain reads.) The asm is not volatile and has no memory clobber, so
+// the compiler may move these loads across barriers and the PDL wait: safe
+// because no kernel of a call writes pages (they are written by earlier
+// copies and kernels, done before the prep kernel, a plain launch, starts).
 __device__ __forceinline__ uint64_t PageStreamPolicy() {
   uint64_t policy;
   asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));

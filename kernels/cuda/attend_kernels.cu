@@ -459,11 +459,16 @@ inline ClusterKernelFn ClusterKernelFor(int cluster_blocks) {
   }
 }
 
-// The merge kernel: 64-dim slices (D = 128, not wide) or 32-dim ones.
+// The merge kernel's slice: 64 dims when asked for and possible (D = 128,
+// not wide), else 32; and its kernel.
+template <int D>
+int MergeSliceFor(bool wide, int slice) {
+  return D == 128 && !wide && slice == 64 ? 64 : 32;
+}
 template <int D>
 auto MergeKernelFor(bool wide, int slice) {
   if constexpr (D == 128) {
-    if (!wide && slice == 64) return &MergeKernel<D, false, 64>;
+    if (MergeSliceFor<D>(wide, slice) == 64) return &MergeKernel<D, false, 64>;
   }
   return wide ? &MergeKernel<D, true, 32> : &MergeKernel<D, false, 32>;
 }
@@ -503,9 +508,10 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
                                       split.dynamic_smem));
   }
   if (s.stages >= 3) {
-    OSCARKV_RETURN_IF_ERROR(LaunchPdl(MergeKernelFor<D>(s.wide_merge, s.merge_slice),
-                                      dim3(s.num_items, s.hq, D / s.merge_slice), dim3(kThreads),
-                                      stream, a));
+    const int slice = MergeSliceFor<D>(s.wide_merge, s.merge_slice);
+    OSCARKV_RETURN_IF_ERROR(LaunchPdl(MergeKernelFor<D>(s.wide_merge, slice),
+                                      dim3(s.num_items, s.hq, D / slice), dim3(kThreads), stream,
+                                      a));
   }
   return absl::OkStatus();
 }

@@ -143,25 +143,25 @@ class AttendLauncher {
   //       B8 64K 114 -> 108 us, B8 32K 68.8 -> 65.9, B1 128K 38.8 -> 38.2;
   //   14 = 13 with the next chunk's loads after the logits of the chunk's
   //       first 16-token tile, not after both (same shapes as 12): the
-  //       default since 2026-12-01. Against 13 (same call): B8 64K 107.9 ->
-  //       106.5 us, B8 32K 65.9 -> 64.9, B1 32K 19.9 -> 19.6, the other B1
-  //       shapes within 0.2 us; against 12, B8 64K 114.3 -> 106.5 (RESULTS
-  //       run 24);
+  //       default from 2026-12-01 until 18. Against 13 (same call): B8 64K
+  //       107.9 -> 106.5 us, B8 32K 65.9 -> 64.9, B1 32K 19.9 -> 19.6, the
+  //       other B1 shapes within 0.2 us; against 12, B8 64K 114.3 -> 106.5
+  //       (RESULTS run 24);
   //   15 = 14 held to 128 registers (4 blocks/SM), as 9 is 8: more warps to
   //       hide the loads' latency (no spills in its exact-first kernel, 8
-  //       bytes outside the loops in the other; same shapes as 12). Written
-  //       2026-12-01 after the last GPU call: not yet run;
+  //       bytes outside the loops in the other; same shapes as 12). Against
+  //       14 (H200, 2026-12-01, RESULTS run 25, before the L2 hint): B8 64K
+  //       105.6 -> 100.4 us, B8 32K 64.4 -> 61.6, B1 128K 38.0 -> 37.2, the
+  //       same at B1 64K, 5-6 % slower at B1 8K-32K (more, shorter units and
+  //       more partials);
   //   16 = 12's warp fed by 10's per-warp ring of 4 shared-memory stages
   //       (bulk copies): the loads wait on mbarriers, 3 chunks ahead, not on
-  //       the loop's scoreboard (same shapes as 12). Written 2026-12-01
-  //       after the last GPU call: not yet run;
+  //       the loop's scoreboard (same shapes as 12). Against 14 (run 25):
+  //       36.8 against 38.0 us at B1 128K, the same at B1 8K and 64K, slower
+  //       at B1 32K and at B8 (108.8 against 105.6 us at 64K);
   //   17 = 16 at 4 blocks/SM (120 / 124 registers without spills, 45 KB of
-  //       shared memory per block; same shapes as 12). Against 14 (H200,
-  //       2026-12-01, RESULTS run 25): 15 is 5 % faster at B8 (64K 105.6 ->
-  //       100.4 us, 32K 64.4 -> 61.6) and 2 % at B1 128K (38.0 -> 37.2),
-  //       the same at B1 64K and 5-6 % slower at B1 8K-32K (more, shorter
-  //       units and more partials); 16 and 17 are slower than 14 except
-  //       at B1 128K (16: 36.8 us);
+  //       shared memory per block; same shapes as 12): slower than 14 at
+  //       every shape but B8 64K (104.8 us) in run 25;
   //   18 = auto, the default: 15 when the batch's history gives each SM at
   //       least kHeavyTokenHeadsPerSm (token, kv head) pairs, else 14
   //       (ResolveVariant).
@@ -172,8 +172,8 @@ class AttendLauncher {
   static constexpr int kAutoVariant = 18;
   static constexpr int kDefaultVariant = kAutoVariant;
   // History (token, kv head) pairs per SM from which variant 18 runs 15:
-  // between B1 64K (3,971 per SM on 132 SMs, where 14 and 15 take the
-  // same time) and B1 128K (7,943, 15 faster).
+  // between B1 64K (3,952 per SM on 132 SMs, where 14 and 15 take the
+  // same time) and B1 128K (7,924, 15 faster).
   static constexpr long kHeavyTokenHeadsPerSm = 6144;
   // The variant a Prepare() of `variant` runs for a batch whose history
   // holds `history_token_heads` (token, kv head) pairs on `num_sms` SMs:

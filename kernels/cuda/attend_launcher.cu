@@ -356,8 +356,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
   shape.wide_merge = max_splits > cuda_attend::kWarps * cuda_attend::MergeBatch(D, false);
   // 64-dim merge slices when the 32-dim grid would take two waves (B8 at
-  // D 128 on an H200: 1024 blocks, 4 per SM).
-  if (!shape.wide_merge && D == 128) {
+  // D 128 on an H200: 1024 blocks, 4 per SM). The trace kept room for the
+  // 32-dim grid; the merge's rows come last, so fewer blocks move nothing.
+  if (!shape.wide_merge && D == 128 && shape.cluster_blocks == 0 && shape.stages >= 3) {
     auto known = merge_blocks_per_sm_.find(D);
     if (known == merge_blocks_per_sm_.end()) {
       OSCARKV_ASSIGN_OR_RETURN(const int blocks, cuda_attend::MergeBlocksPerSm(shape));
@@ -365,6 +366,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     }
     const long grid32 = long(n) * b.num_q_heads * (D / 32);
     shape.merge_slice = grid32 > long(known->second) * num_sms_ ? 64 : 32;
+  }
+  if (trace_blocks[cuda_attend::kTraceMerge] > 0) {
+    trace_blocks[cuda_attend::kTraceMerge] = size_t(n) * b.num_q_heads * (D / shape.merge_slice);
   }
   const int w = static_cast<int>(num_work);
   copy_sizes_[0] = upload;

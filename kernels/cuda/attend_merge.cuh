@@ -188,11 +188,18 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   if (item.num_pages > 0) {
     const float* rv = item.rotation.r_v + item.rotation.stride * h;
     if constexpr (kRvShared) {
-      // Rows j0 .. j0 + kSlice - 1 (read after CombineWarps' barriers).
-      const float4* src = reinterpret_cast<const float4*>(rv + size_t(j0) * D);
+      // Rows j0 .. j0 + kSlice - 1 (read after CombineWarps' barriers), as
+      // float4 when R_V is 16-byte aligned (the backend's rotations are;
+      // the batch's need not be, as for R_K in the prep kernel).
+      const float* src = rv + size_t(j0) * D;
+      if ((reinterpret_cast<uintptr_t>(src) & 15u) == 0) {
+        const float4* src4 = reinterpret_cast<const float4*>(src);
 #pragma unroll 4
-      for (int i = threadIdx.x; i < kSlice * D / 4; i += kThreads) {
-        *reinterpret_cast<float4*>(&rv_s[i / (D / 4)][4 * (i % (D / 4))]) = __ldg(src + i);
+        for (int i = threadIdx.x; i < kSlice * D / 4; i += kThreads) {
+          *reinterpret_cast<float4*>(&rv_s[i / (D / 4)][4 * (i % (D / 4))]) = __ldg(src4 + i);
+        }
+      } else {
+        for (int i = threadIdx.x; i < kSlice * D; i += kThreads) rv_s[i / D][i % D] = __ldg(src + i);
       }
     } else {
 #pragma unroll

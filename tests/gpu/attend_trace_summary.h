@@ -114,7 +114,8 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
       std::vector<double> ends;
       for (const auto& [sm, end] : sm_end) ends.push_back(end);
       out["split.sm_end"] = SpreadOf(std::move(ends));
-      // The ends of units with and without exact blocks (folded or not).
+      // The ends of history units with and without folded exact blocks
+      // (exact-only units pass no kTraceWaited and are left out).
       std::vector<double> end_exact, end_pages_only;
       for (size_t b = 0; b < t.blocks(k); ++b) {
         const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;

@@ -25,6 +25,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <limits>
 #include <random>
 #include <utility>
@@ -88,6 +89,9 @@ struct Config {
   // > 0: the V rows of tokens t with (t / zero_v_run) % zero_v_every == 0 are
   // zero (V scale 0).
   int zero_v_every = 0, zero_v_run = 1;
+  // > 0: the GPU's R_K and R_V start this many floats into their buffer
+  // (1: not 16-byte aligned).
+  int rotation_offset = 0;
 };
 
 struct Errors {
@@ -95,8 +99,10 @@ struct Errors {
 };
 
 // Builds every item's cache, runs GPU, CPU and the fp64 reference, returns the
-// worst errors over the items.
-Errors RunConfig(const Config& cf, uint64_t seed, int repeats = 1) {
+// worst errors over the items. `inspect`, when given, sees the GPU's batch
+// first (to check what a launcher plans for it).
+Errors RunConfig(const Config& cf, uint64_t seed, int repeats = 1,
+                 const std::function<void(const AttendBatch&)>& inspect = {}) {
   Errors worst;
   std::mt19937_64 rng(seed);
   const int H = cf.kv_heads, D = cf.dim, P = cf.page_tokens, Hq = H * cf.gqa;
@@ -104,7 +110,7 @@ Errors RunConfig(const Config& cf, uint64_t seed, int repeats = 1) {
   const size_t row = size_t(H) * D;
   const size_t block_elems = geom.exact_block_bytes() / 2;
   const float scale = 1.0f / std::sqrt(float(D));
-  auto rotations = RandomRotations(*gpu, D, cf.per_head ? H : 1, rng);
+  auto rotations = RandomRotations(*gpu, D, cf.per_head ? H : 1, rng, cf.rotation_offset);
   EXPECT_TRUE(rotations.ok()) << rotations.status();
   if (!rotations.ok()) return worst;
   const RotationRef rot_host = rotations->host_ref(), rot_gpu = rotations->device_ref();
@@ -197,6 +203,7 @@ Errors RunConfig(const Config& cf, uint64_t seed, int repeats = 1) {
   }
   EXPECT_TRUE(cpu.Attend(AttendBatch{geom, Hq, scale, it_cpu.data(), n}).ok());
 
+  if (inspect) inspect(AttendBatch{geom, Hq, scale, it_gpu.data(), n});
   std::vector<float> first_out;
   for (int rep = 0; rep < repeats; ++rep) {
     // Poisoned before each run, so an output the call did not write shows.
@@ -332,6 +339,38 @@ TEST(CudaAttendDefaults, LongPagesPeakyAttentionAndZeroValueRowsMatchReference) 
     EXPECT_LT(e.gpu_cpu, OutTol(cf.dim, cf.group, cf.gqa));
     EXPECT_LT(e.lse_gpu_ref, kLseTol);
     EXPECT_LT(e.lse_gpu_cpu, kLseTol);
+  }
+}
+
+// Rotations that are not 16-byte aligned on the device (the prep kernel's
+// and the 64-dim merge's scalar paths), per head and shared, in a batch of
+// 6 items x 32 query heads: its merge grid of 32-dim slices (768 blocks) is
+// more than an H200 holds at once, so it runs 64-dim slices.
+TEST(CudaAttendDefaults, MisalignedRotationsMatchReference) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  for (const bool per_head : {false, true}) {
+    Config cf{128, 4, 128, 8, 64, 256, 32, per_head, {300, 700, 1200, 2000, 900, 1500}};
+    cf.rotation_offset = 1;
+    int merge_slice = 0;
+    auto plan = [&](const AttendBatch& batch) {
+      auto launcher = AttendLauncher::Create(0);
+      ASSERT_TRUE(launcher.ok()) << launcher.status();
+      ASSERT_TRUE((*launcher)->Prepare(batch, nullptr).ok());
+      ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+      merge_slice = (*launcher)->schedule().merge_slice;
+    };
+    const Errors e = RunConfig(cf, 61 + per_head, 1, plan);
+    // 768 blocks of 32 dims, 4 per SM (the 32-dim kernel's 123 registers):
+    // more than an H200's 132 SMs hold; a GPU with 192 SMs would hold them.
+    int sms = 0;
+    ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+    if (4 * sms < 768) EXPECT_EQ(merge_slice, 64) << "on " << sms << " SMs";
+    std::printf("misaligned rotations (per head %d): rel err gpu/ref %.2e gpu/cpu %.2e, "
+                "lse gpu/ref %.2e\n",
+                per_head, e.gpu_ref, e.gpu_cpu, e.lse_gpu_ref);
+    EXPECT_LT(e.gpu_ref, OutTol(cf.dim, cf.group, cf.gqa));
+    EXPECT_LT(e.gpu_cpu, OutTol(cf.dim, cf.group, cf.gqa));
+    EXPECT_LT(e.lse_gpu_ref, kLseTol);
   }
 }
 
@@ -795,7 +834,7 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
       const bool cluster = sc.clusters_per_head > 0;  // variant 11 records nothing
       const size_t blocks[kTraceKernels] = {
           cluster ? 0 : size_t(n) * Hq, cluster ? 0 : size_t(sc.exact_units + sc.history_units),
-          cluster ? 0 : size_t(n) * Hq * (D / 32)};
+          cluster ? 0 : size_t(n) * Hq * (D / sc.merge_slice)};
       for (int k = 0; k < kTraceKernels; ++k) {
         ASSERT_EQ(trace->blocks(k), blocks[k]) << "kernel " << k;
         for (size_t b = 0; b < trace->blocks(k); ++b) {

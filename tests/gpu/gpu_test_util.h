@@ -86,14 +86,15 @@ absl::StatusOr<DeviceBuffer> Upload(Backend& b, const std::vector<T>& host) {
 
 // Random orthogonal R_K and R_V of size d, on the host and on the device:
 // `mats` = 1, one pair for every kv head (stride 0), or one per kv head
-// (mats = kv heads, stride d·d).
+// (mats = kv heads, stride d·d). The device copy starts `device_offset`
+// floats into its buffer (1: not 16-byte aligned).
 struct Rotations {
-  int d = 0, mats = 1;
+  int d = 0, mats = 1, device_offset = 0;
   std::vector<float> host;  // mats R_K, then mats R_V
   DeviceBuffer device;
   size_t stride() const { return mats > 1 ? size_t(d) * d : 0; }
   RotationRef host_ref() const { return Ref(host.data()); }
-  RotationRef device_ref() const { return Ref(device.as<float>()); }
+  RotationRef device_ref() const { return Ref(device.as<float>() + device_offset); }
 
  private:
   RotationRef Ref(const float* base) const {
@@ -101,16 +102,19 @@ struct Rotations {
   }
 };
 inline absl::StatusOr<Rotations> RandomRotations(Backend& b, int d, int mats,
-                                                 std::mt19937_64& rng) {
+                                                 std::mt19937_64& rng, int device_offset = 0) {
   Rotations r;
   r.d = d;
   r.mats = mats;
+  r.device_offset = device_offset;
   r.host.resize(2 * size_t(mats) * d * d);
   for (int m = 0; m < 2 * mats; ++m) {
     const std::vector<float> x = RandomOrthogonal(d, rng);
     std::copy(x.begin(), x.end(), r.host.begin() + size_t(m) * d * d);
   }
-  auto dev = Upload(b, r.host);
+  std::vector<float> padded(size_t(device_offset), 0.0f);
+  padded.insert(padded.end(), r.host.begin(), r.host.end());
+  auto dev = Upload(b, padded);
   if (!dev.ok()) return dev.status();
   r.device = std::move(dev).value();
   return r;

@@ -98,10 +98,10 @@ fi
 # the default's loop fed by the shared-memory stage ring (10), in one
 # cluster kernel (11, batches of few items), 16-bit P' (8, the default
 # until 2026-12-01), with the short chunk chain (12), with 12's loads after
-# the chunk before is first used (13), the default's (14) loop at 4
-# blocks/SM (15), 12's warp fed by 10's stage ring (16), 16 at 4 blocks/SM
-# (17): differ from the others for D = 128, g <= 4 only (6-8 and 10-17 for
-# G = D only).
+# the chunk before is first used (13), with the loads after the first tile
+# (14), 14 at 4 blocks/SM (15), 12's warp fed by 10's stage ring (16), 16 at
+# 4 blocks/SM (17): differ from the others for D = 128, g <= 4 only (6-8 and
+# 10-17 for G = D only).
 for v in 3 6 8 10 11 12 13 14 15 16 17 $([ "$quick" = 1 ] || echo 4 7); do
   want $v || continue
   run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
