@@ -18,7 +18,7 @@
 # it over calls (SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests).
 #
 # Environment: QUICK=1 runs the default variant's attention tests in full,
-# variants 0, 2, 3, 6, 8, 10-13 and 15-17 on D = 128 only (not 1, 4 and 7)
+# variants 0, 2, 3, 6, 8 and 10-17 on D = 128 only (not 1, 4 and 7)
 # and without the heavy folded test (60 s each; the default runs it), the
 # benchmark before the sanitizer, and a smaller sanitizer set, 50 s at most
 # each (memcheck, racecheck and initcheck of the attention, memcheck of
