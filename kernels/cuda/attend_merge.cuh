@@ -310,7 +310,8 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   const float lse_h2 = lse2[0], lse_e2 = lse2[1];
   if (lse_h2 != -INFINITY) {
     // Warp w's kPerWarp (8 or 16) rows of R_V: every lane's share of each
-    // dot product, then one reduce-scatter (9 shuffles, not 8 chains of 5).
+    // dot product, then one reduce-scatter (9 or 16 shuffles, not 8 or 16
+    // chains of 5).
     float ov[EL], s[kPerWarp];
 #pragma unroll
     for (int e = 0; e < EL; ++e) ov[e] = o_set[0][lane + 32 * e];
