@@ -198,9 +198,10 @@ __device__ __forceinline__ float FastRcp(float x) {
   return y;
 }
 
-// Loads of page bytes (read-only path). A call reads each page byte once,
-// so its lines are the first to leave L2 (evict-first policy): the partials,
-// R_V and plans that the merge kernel reads next stay there. The policy is
+// Loads of page bytes (read-only path; the stage ring's bulk copies take the
+// same policy). A call reads each page byte once, so its lines are the
+// first to leave L2 (evict-first policy): the partials, R_V and plans that
+// the merge kernel reads next stay there. The policy is
 // a constant: ptxas keeps it in a uniform register pair, the load's memory
 // descriptor, and the loads take no other register. (The warp emulation's
 // are plain reads.) The asm is not volatile and has no memory clobber, so

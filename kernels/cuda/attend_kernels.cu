@@ -459,18 +459,16 @@ inline ClusterKernelFn ClusterKernelFor(int cluster_blocks) {
   }
 }
 
-// The merge kernel's slice: 64 dims when asked for and possible (D = 128,
-// not wide), else 32; and its kernel.
-template <int D>
-int MergeSliceFor(bool wide, int slice) {
-  return D == 128 && !wide && slice == 64 ? 64 : 32;
-}
+// The merge kernel with `slice`-dim blocks (Prepare asks for 64 only at
+// D = 128 without the wide merge); null when there is none.
 template <int D>
 auto MergeKernelFor(bool wide, int slice) {
+  decltype(&MergeKernel<D, false, 32>) kernel = nullptr;
+  if (slice == 32) kernel = wide ? &MergeKernel<D, true, 32> : &MergeKernel<D, false, 32>;
   if constexpr (D == 128) {
-    if (MergeSliceFor<D>(wide, slice) == 64) return &MergeKernel<D, false, 64>;
+    if (slice == 64 && !wide) kernel = &MergeKernel<D, false, 64>;
   }
-  return wide ? &MergeKernel<D, true, 32> : &MergeKernel<D, false, 32>;
+  return kernel;
 }
 
 template <int D, int NG, bool G8>
@@ -508,21 +506,12 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
                                       split.dynamic_smem));
   }
   if (s.stages >= 3) {
-    const int slice = MergeSliceFor<D>(s.wide_merge, s.merge_slice);
-    OSCARKV_RETURN_IF_ERROR(LaunchPdl(MergeKernelFor<D>(s.wide_merge, slice),
-                                      dim3(s.num_items, s.hq, D / slice), dim3(kThreads), stream,
-                                      a));
+    const auto merge = MergeKernelFor<D>(s.wide_merge, s.merge_slice);
+    if (merge == nullptr) return absl::InternalError("no merge kernel for that slice");
+    OSCARKV_RETURN_IF_ERROR(LaunchPdl(merge, dim3(s.num_items, s.hq, D / s.merge_slice),
+                                      dim3(kThreads), stream, a));
   }
   return absl::OkStatus();
-}
-
-// Resident blocks per SM of the narrow merge kernel with 32-dim slices.
-template <int D, int NG, bool G8>
-absl::StatusOr<int> MergeBlocksPerSmTyped(const LaunchShape&) {
-  int blocks = 0;
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
-      &blocks, MergeKernelFor<D>(false, 32), kThreads, 0));
-  return blocks;
 }
 
 // Asked by AttendLauncher::Prepare once per kernel, on the launcher's device,
@@ -618,8 +607,11 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& s, cudaS
 
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& s) { OSCARKV_DISPATCH(BlocksPerSmTyped, s) }
 
-absl::StatusOr<int> MergeBlocksPerSm(const LaunchShape& s) {
-  OSCARKV_DISPATCH(MergeBlocksPerSmTyped, s)
+absl::StatusOr<int> MergeBlocksPerSm() {
+  int blocks = 0;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
+      &blocks, MergeKernelFor<128>(false, 32), kThreads, 0));
+  return blocks;
 }
 
 absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& s) {
@@ -665,11 +657,13 @@ absl::StatusOr<double> AttendTraceTimerStepNs() {
 
 int AttendLauncher::ResolveVariant(int variant, long history_token_heads, int num_sms) {
   if (variant != kAutoVariant) return variant;
-  return history_token_heads >= kHeavyTokenHeadsPerSm * std::max(1, num_sms) ? 15 : 14;
+  return history_token_heads >= kHeavyTokenHeadsPerSm * std::max(1, num_sms) ? kAutoHeavyVariant
+                                                                              : kAutoLightVariant;
 }
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {
-  if (variant == kAutoVariant) variant = 14;  // 15's shapes and P' are 14's
+  // Both of auto's variants have the same shapes and P'.
+  if (variant == kAutoVariant) variant = kAutoLightVariant;
   return variant >= 8 && group_size > 0 &&
          cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
 }

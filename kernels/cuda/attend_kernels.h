@@ -171,6 +171,8 @@ class AttendLauncher {
   static constexpr int kClusterVariant = 11;
   static constexpr int kAutoVariant = 18;
   static constexpr int kDefaultVariant = kAutoVariant;
+  // What variant 18 runs on light and on heavy batches.
+  static constexpr int kAutoLightVariant = 14, kAutoHeavyVariant = 15;
   // History (token, kv head) pairs per SM from which variant 18 runs 15:
   // between B1 64K (3,952 per SM on 132 SMs, where 14 and 15 take the
   // same time) and B1 128K (7,924, 15 faster).
@@ -287,8 +289,9 @@ class AttendLauncher {
   std::vector<size_t> copy_sizes_;
   // Resident blocks per SM of each split kernel used so far (by shape and variant).
   std::map<std::pair<int, int>, int> split_blocks_per_sm_;
-  // Resident blocks per SM of the 32-dim narrow merge kernel, by head dim.
-  std::map<int, int> merge_blocks_per_sm_;
+  // Resident blocks per SM of the 32-dim narrow merge kernel at D 128 (0:
+  // not asked yet).
+  int merge_blocks_per_sm_ = 0;
   // Blocks per cluster of the cluster kernel, and clusters of each size
   // resident at once (asked once per size).
   int cluster_blocks_ = cuda_attend::kClusterBlocks;

@@ -27,7 +27,7 @@ struct LaunchShape {
   // the grid of 32-dim blocks would not be resident at once.
   int merge_slice = 32;
   // The plan folds the exact blocks onto the history units (UnitSizes::
-  // fold_exact): the default variant's split kernel then runs them first.
+  // fold_exact): variants 8 and 12-17 then run their exact-first kernels.
   bool exact_first = false;
   // > 0: one cluster kernel (attend_cluster.cuh) with clusters of this many
   // blocks instead of the three kernels.
@@ -49,8 +49,8 @@ absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& shape);
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& shape);
 
 // Resident blocks per multiprocessor of the narrow merge kernel with 32-dim
-// slices for this head dim.
-absl::StatusOr<int> MergeBlocksPerSm(const LaunchShape& shape);
+// slices at D 128 (the only head dim with 64-dim slices).
+absl::StatusOr<int> MergeBlocksPerSm();
 
 // Clusters of the cluster kernel with shape.cluster_blocks blocks each
 // resident at once for this shape (0: no such kernel for the shape).

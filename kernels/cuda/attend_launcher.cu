@@ -139,9 +139,12 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.num_items = n;
   shape.kv_heads = H;
   shape.hq = b.num_q_heads;
-  long history_token_heads = 0;
-  for (int i = 0; i < n; ++i) history_token_heads += long(b.items[i].num_pages) * geom.page_tokens;
-  history_token_heads *= H;
+  long total_pages = 0, total_exact = 0;
+  for (int i = 0; i < n; ++i) {
+    total_pages += b.items[i].num_pages;
+    total_exact += b.items[i].num_exact;
+  }
+  const long history_token_heads = total_pages * geom.page_tokens * H;
   shape.variant = ResolveVariant(variant_, history_token_heads, num_sms_);
   shape.stages = stages_;
   // Variant 11: one cluster kernel with as many clusters per (item, kv
@@ -169,11 +172,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   // Work units: exact-only units first (short), then history ranges (which
   // may carry exact blocks) sized so that all units fit in one wave of
   // resident blocks (attend_schedule.h).
-  long total_pages = 0, total_exact = 0;
-  for (int i = 0; i < n; ++i) {
-    total_pages += b.items[i].num_pages;
-    total_exact += b.items[i].num_exact;
-  }
   cuda_attend::UnitSizes sizes;
   if (shape.cluster_blocks > 0) {
     sizes.history_units = long(n) * H * clusters_per_head * shape.cluster_blocks;
@@ -359,13 +357,11 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   // D 128 on an H200: 1024 blocks, 4 per SM). The trace kept room for the
   // 32-dim grid; the merge's rows come last, so fewer blocks move nothing.
   if (!shape.wide_merge && D == 128 && shape.cluster_blocks == 0 && shape.stages >= 3) {
-    auto known = merge_blocks_per_sm_.find(D);
-    if (known == merge_blocks_per_sm_.end()) {
-      OSCARKV_ASSIGN_OR_RETURN(const int blocks, cuda_attend::MergeBlocksPerSm(shape));
-      known = merge_blocks_per_sm_.emplace(D, blocks).first;
+    if (merge_blocks_per_sm_ == 0) {
+      OSCARKV_ASSIGN_OR_RETURN(merge_blocks_per_sm_, cuda_attend::MergeBlocksPerSm());
     }
     const long grid32 = long(n) * b.num_q_heads * (D / 32);
-    shape.merge_slice = grid32 > long(known->second) * num_sms_ ? 64 : 32;
+    shape.merge_slice = grid32 > long(merge_blocks_per_sm_) * num_sms_ ? 64 : 32;
   }
   if (trace_blocks[cuda_attend::kTraceMerge] > 0) {
     trace_blocks[cuda_attend::kTraceMerge] = size_t(n) * b.num_q_heads * (D / shape.merge_slice);

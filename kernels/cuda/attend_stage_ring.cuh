@@ -52,12 +52,6 @@ __device__ __forceinline__ void BulkCopy(void* dst, const void* src, uint32_t by
       : "memory");
 }
 
-__device__ __forceinline__ uint64_t EvictFirstPolicy() {
-  uint64_t policy;
-  asm volatile("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;\n" : "=l"(policy));
-  return policy;
-}
-
 // One warp's ring of kStages chunk stages for kv head h of its work unit.
 template <int D, int NG, int kStages>
 struct StageRing {
@@ -87,7 +81,7 @@ struct StageRing {
     v_codes = static_cast<uint32_t>(geom.codes_offset(h, 1));
     page_codes = static_cast<uint32_t>(geom.codes_bytes());
     one_copy = geom.page_tokens == 32;
-    policy = EvictFirstPolicy();
+    policy = PageStreamPolicy();
     if (lane == 0) {
       for (int s = 0; s < kStages; ++s) {
         BarrierInit(full + s, 1);
