@@ -61,6 +61,14 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
   for (int k = 0; k < kTraceKernels; ++k) {
     std::vector<double> at[kTraceMarks];
     std::vector<double> history_run, exact_run, block_run;
+    // Split kernel, by multiprocessor: how many blocks ran on each, each
+    // SM's last block end, each history part's (SM, loop time), and the
+    // ends of history units with and without folded exact blocks
+    // (exact-only units pass no kTraceWaited and are left out).
+    std::map<unsigned long long, int> on_sm;
+    std::map<unsigned long long, double> sm_end;
+    std::vector<std::pair<unsigned long long, double>> history_on_sm;
+    std::vector<double> end_exact, end_pages_only;
     for (size_t b = 0; b < t.blocks(k); ++b) {
       const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
       // Differences in integers first: a double cannot hold the raw ns.
@@ -71,11 +79,21 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
       if (row[kTraceStart] != 0 && row[kTraceEnd] != 0) {
         block_run.push_back(us(kTraceEnd) - us(kTraceStart));
       }
-      if (k == kTraceSplit && row[kTraceWaited] != 0 && row[kTraceLoopDone] != 0) {
+      if (k != kTraceSplit) continue;
+      if (row[kTraceWaited] != 0 && row[kTraceLoopDone] != 0) {
         history_run.push_back(us(kTraceLoopDone) - us(kTraceWaited));
+        if (row[kTraceStart] != 0) history_on_sm.emplace_back(row[kTraceSm], history_run.back());
       }
-      if (k == kTraceSplit && row[kTraceExactFirstStep] != 0 && row[kTraceExactDone] != 0) {
+      if (row[kTraceExactFirstStep] != 0 && row[kTraceExactDone] != 0) {
         exact_run.push_back(us(kTraceExactDone) - us(kTraceExactFirstStep));
+      }
+      if (row[kTraceStart] == 0) continue;
+      ++on_sm[row[kTraceSm]];
+      if (row[kTraceEnd] == 0) continue;
+      auto [it, fresh] = sm_end.emplace(row[kTraceSm], us(kTraceEnd));
+      if (!fresh) it->second = std::max(it->second, us(kTraceEnd));
+      if (row[kTraceWaited] != 0) {
+        (row[kTraceExactDone] != 0 ? end_exact : end_pages_only).push_back(us(kTraceEnd));
       }
     }
     for (int m = 0; m < kTraceMarks; ++m) {
@@ -87,42 +105,14 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
     if (k == kTraceSplit) {
       out["split.history_loop_us"] = SpreadOf(history_run);
       out["split.exact_rest_us"] = SpreadOf(exact_run);
-      // By multiprocessor: how many split blocks ran on each, each block's
-      // history loop by that count, and each SM's last block end.
-      std::map<unsigned long long, int> on_sm;
-      std::map<unsigned long long, double> sm_end;
-      for (size_t b = 0; b < t.blocks(k); ++b) {
-        const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
-        if (row[kTraceStart] == 0) continue;
-        ++on_sm[row[kTraceSm]];
-        if (row[kTraceEnd] != 0) {
-          const double end = double(static_cast<long long>(row[kTraceEnd] - t0)) / 1e3;
-          auto [it, fresh] = sm_end.emplace(row[kTraceSm], end);
-          if (!fresh) it->second = std::max(it->second, end);
-        }
-      }
       std::map<int, std::vector<double>> loop_by_count;
-      for (size_t b = 0; b < t.blocks(k); ++b) {
-        const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
-        if (row[kTraceStart] == 0 || row[kTraceWaited] == 0 || row[kTraceLoopDone] == 0) continue;
-        loop_by_count[on_sm[row[kTraceSm]]].push_back(
-            double(static_cast<long long>(row[kTraceLoopDone] - row[kTraceWaited])) / 1e3);
-      }
+      for (const auto& [sm, loop] : history_on_sm) loop_by_count[on_sm[sm]].push_back(loop);
       for (auto& [count, v] : loop_by_count) {
         out["split.history_loop_us@" + std::to_string(count)] = SpreadOf(std::move(v));
       }
       std::vector<double> ends;
       for (const auto& [sm, end] : sm_end) ends.push_back(end);
       out["split.sm_end"] = SpreadOf(std::move(ends));
-      // The ends of history units with and without folded exact blocks
-      // (exact-only units pass no kTraceWaited and are left out).
-      std::vector<double> end_exact, end_pages_only;
-      for (size_t b = 0; b < t.blocks(k); ++b) {
-        const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
-        if (row[kTraceEnd] == 0 || row[kTraceWaited] == 0) continue;
-        const double end = double(static_cast<long long>(row[kTraceEnd] - t0)) / 1e3;
-        (row[kTraceExactDone] != 0 ? end_exact : end_pages_only).push_back(end);
-      }
       out["split.end@with_exact"] = SpreadOf(std::move(end_exact));
       out["split.end@pages_only"] = SpreadOf(std::move(end_pages_only));
     }

@@ -126,7 +126,9 @@ Errors CompareWithFp64(const Input& in, const Output& out) {
     err.o = std::max(err.o, e.o);
     err.l = std::max(err.l, e.l);
   }
-  for (int hh = in.g; hh < 8; ++hh) EXPECT_TRUE(std::isnan(out.l[hh])) << "head " << hh;
+  for (int hh = in.g; hh < FinishedState::kMaxHeads; ++hh) {
+    EXPECT_TRUE(std::isnan(out.l[hh])) << "head " << hh;
+  }
   return err;
 }
 

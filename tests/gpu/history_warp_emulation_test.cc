@@ -47,9 +47,8 @@ using cuda_attend::kQueryMetaFloats;
 using cuda_attend::LaunchArgs;
 
 constexpr int kD = 128;       // the integer paths' head dim
-constexpr int kMaxD = 256;
 constexpr int kTokensPerChunk = 32;
-constexpr int kMaxHeads = 8;  // a block's query heads (HG): 4, or 8 for g > 4
+constexpr int kMaxHeads = FinishedState::kMaxHeads;  // a block's query heads (HG): 4, or 8
 constexpr int kHead = 1;      // the kv head under test (of 2: offsets inside a page)
 
 using Warp8 = HistoryWarpIntPv<kD, 1, false, 2, false>;
@@ -74,9 +73,6 @@ uint32_t Params(float scale, float min) {
   return uint32_t(FloatToFp16(scale)) | (uint32_t(FloatToFp16(min)) << 16);
 }
 
-// Pages of random codes and plausible (scale, min); `zero_rows`: every 7th
-// token's V scale is 0 (a constant row: the encoder's output for one), and
-// every one of the second chunk's.
 // The query fragments a warp reads (InitQuery): integer digits (variants 3
 // and 6-12) or fp16 hi / lo pairs (HistoryWarp without kIntQK), `words` per kv head.
 struct QueryFormat {
@@ -84,9 +80,47 @@ struct QueryFormat {
   bool fp16 = false;
 };
 
+// Where a lane's logits lg[τ][e] are: (head, token within the chunk), or
+// head -1 for a lane whose copy another lane records.
+// Also the warp's head dim, quantization groups and query format.
+template <class W>
+struct LogitMap;
+template <int D, int NG, bool G8, int kDigits, bool kShort>
+struct LogitMap<HistoryWarpIntPv<D, NG, G8, kDigits, kShort>> {
+  static constexpr int kHeadDim = D, kGroups = NG;
+  static constexpr int E = 2;
+  static QueryFormat Query() { return {}; }
+  static void At(int lane, int tau, int e, int* head, int* token) {
+    *head = lane & 3;
+    *token = 16 * tau + (lane >> 2) + 8 * e;
+  }
+};
+template <int D, int NG, bool G8, bool kInt>
+struct LogitMap<HistoryWarp<D, NG, G8, kInt>> {
+  using W = HistoryWarp<D, NG, G8, kInt>;
+  static constexpr int kHeadDim = D, kGroups = NG;
+  static constexpr int E = 4;
+  static QueryFormat Query() { return {W::QN * W::QK * 2 * 32, !W::kIntQK}; }
+  static void At(int lane, int tau, int e, int* head, int* token) {
+    const int c = lane & 3;
+    if (G8) {
+      *head = 2 * c + (e & 1);
+    } else {
+      *head = c < 2 ? 2 * (c & 1) + (e & 1) : -1;  // lanes c and c ^ 2 hold the same logits
+    }
+    *token = 16 * tau + (lane >> 2) + 8 * (e >> 1);
+  }
+};
+
+// Pages of random codes and plausible (scale, min) for warp W's head dim,
+// groups and query format; `zero_rows`: every 7th token's V scale is 0 (a
+// constant row: the encoder's output for one), and every one of the second
+// chunk's.
+template <class W>
 Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed,
-                int page_tokens = kTokensPerChunk, int head_dim = kD, int groups = 1,
-                QueryFormat query = {}) {
+                int page_tokens = kTokensPerChunk) {
+  constexpr int head_dim = LogitMap<W>::kHeadDim, groups = LogitMap<W>::kGroups;
+  const QueryFormat query = LogitMap<W>::Query();
   Input in;
   in.g = g;
   in.geom.head_dim = head_dim;
@@ -127,7 +161,8 @@ Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed
   for (auto& w : in.qfrag) {
     w = 0;
     if (query.fp16) {
-      w = uint32_t(FloatToFp16(unit(rng))) | (uint32_t(FloatToFp16(unit(rng))) << 16);
+      const float lo = unit(rng), hi = unit(rng);
+      w = warp_emulation::PackHalves(lo, hi);
     } else {
       for (int j = 0; j < 4; ++j) w |= uint32_t(uint8_t(int8_t(digit(rng)))) << (8 * j);
     }
@@ -143,42 +178,9 @@ Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed
   return in;
 }
 
-// Where a lane's logits lg[τ][e] are: (head, token within the chunk), or
-// head -1 for a lane whose copy another lane records.
-// Also the warp's head dim and its query format.
-template <class W>
-struct LogitMap;
-template <int D, int NG, bool G8, int kDigits, bool kShort>
-struct LogitMap<HistoryWarpIntPv<D, NG, G8, kDigits, kShort>> {
-  static constexpr int kHeadDim = D;
-  static constexpr int E = 2;
-  static QueryFormat Query() { return {}; }
-  static void At(int lane, int tau, int e, int* head, int* token) {
-    *head = lane & 3;
-    *token = 16 * tau + (lane >> 2) + 8 * e;
-  }
-};
-template <int D, int NG, bool G8, bool kInt>
-struct LogitMap<HistoryWarp<D, NG, G8, kInt>> {
-  using W = HistoryWarp<D, NG, G8, kInt>;
-  static constexpr int kHeadDim = D;
-  static constexpr int E = 4;
-  static QueryFormat Query() { return {W::QN * W::QK * 2 * 32, !W::kIntQK}; }
-  static void At(int lane, int tau, int e, int* head, int* token) {
-    const int c = lane & 3;
-    if (G8) {
-      *head = 2 * c + (e & 1);
-    } else {
-      *head = c < 2 ? 2 * (c & 1) + (e & 1) : -1;  // lanes c and c ^ 2 hold the same logits
-    }
-    *token = 16 * tau + (lane >> 2) + 8 * (e >> 1);
-  }
-};
-
 struct Output : FinishedState {
   std::vector<std::vector<double>> logits;  // [head][token]
 };
-static_assert(kMaxHeads <= 8 && kMaxD <= 256, "FinishedState's size");
 
 // A history warp that records the logits of each chunk it processes (the
 // warp's iteration it is chunk pages.ChunkOf(it)), for the fp64 reference.
@@ -190,19 +192,19 @@ struct Recorder {
   cuda_attend::WarpPages<kWalkWarps>& pages;
   int g, lane;
   std::vector<std::vector<double>>& logits;  // [head][token]
-  mutable int it = 0;  // chunks whose logits were taken
+  // Chunks accumulated: every loop takes a chunk's logits, then accumulates
+  // it, before the next chunk's logits.
+  int it = 0;
 
   void Load(Regs& x, const uint8_t* page, int chunk) const { hw.Load(x, page, chunk); }
   void Logits(const Regs& x, float (&lg)[2][kLogitsPerTile]) const {
     hw.Logits(x, lg);
     for (int tau = 0; tau < 2; ++tau) Record(tau, lg[tau]);
-    ++it;
   }
   // Variant 14's loop takes a chunk's logits one 16-token tile at a time.
   void LogitsTile(const Regs& x, int tau, float (&lgt)[kLogitsPerTile]) const {
     hw.LogitsTile(x, tau, lgt);
     Record(tau, lgt);
-    if (tau == 1) ++it;
   }
   void Record(int tau, const float (&lgt)[kLogitsPerTile]) const {
     const int chunk = pages.ChunkOf(it);
@@ -212,7 +214,10 @@ struct Recorder {
       if (head >= 0 && head < g) logits[head][chunk * kTokensPerChunk + token] = lgt[e];
     }
   }
-  void Accumulate(const Regs& x, const float (&lg)[2][kLogitsPerTile]) { hw.Accumulate(x, lg); }
+  void Accumulate(const Regs& x, const float (&lg)[2][kLogitsPerTile]) {
+    hw.Accumulate(x, lg);
+    ++it;
+  }
   float& AblationSink() { return hw.AblationSink(); }
   void Process(const Regs& x) {
     float lg[2][kLogitsPerTile];
@@ -339,7 +344,8 @@ Errors CompareWithFp64(const Input& in, const Output& out) {
   return err;
 }
 
-double RelativeL2(const Output& a, const Output& b, int g, int D = kD) {
+double RelativeL2(const Output& a, const Output& b, int g) {
+  constexpr int D = kD;
   double worst = 0.0;
   for (int hh = 0; hh < g; ++hh) {
     double num = 0.0, den = 0.0;
@@ -390,8 +396,8 @@ class HistoryWarpEmulationTest : public ::testing::TestWithParam<Case> {};
 
 TEST_P(HistoryWarpEmulationTest, MatchesFp64SoftmaxOverTheSamePages) {
   const Case& c = GetParam();
-  const Input in = MakeInput(c.g, c.pages, c.logits, c.zero_rows, 1000 + c.pages * 10 + c.g,
-                             kTokensPerChunk, kD, 1, LogitMap<Warp8>::Query());
+  const Input in =
+      MakeInput<Warp8>(c.g, c.pages, c.logits, c.zero_rows, 1000 + c.pages * 10 + c.g);
   const Output o8 = RunHistoryWarp<Warp8>(in);
   const Output o12 = RunHistoryWarp<Warp12>(in);
   const Output o13 = RunWalk<Warp12, 1, /*kLoadOrder=*/1>(in);
@@ -437,7 +443,7 @@ INSTANTIATE_TEST_SUITE_P(
 // 34 iterations, so WarpPages refetches its lanes' page pointers (every 32
 // iterations) and the chunk within a page alternates (3, 7, 3, ...).
 TEST(HistoryWarpEmulation, WarpOfFourWalksItsChunksOfEightChunkPages) {
-  Input in = MakeInput(4, 17, Logits::kSpread, true, 77, /*page_tokens=*/256);
+  Input in = MakeInput<Warp12>(4, 17, Logits::kSpread, true, 77, /*page_tokens=*/256);
   in.walk_warps = 4;
   in.walk_warp = 3;
   const Output o8 = RunWalk<Warp8, 4>(in);
@@ -460,8 +466,7 @@ TEST(HistoryWarpEmulation, WarpOfFourWalksItsChunksOfEightChunkPages) {
 TEST(HistoryWarpEmulation, LoadOrdersGiveVariant12sBitsAtEveryChunkCount) {
   for (int chunks = 1; chunks <= 9; ++chunks) {
     SCOPED_TRACE(testing::Message() << chunks << " chunks");
-    const Input in = MakeInput(3, chunks, Logits::kSpread, chunks % 2 == 1, 2000 + chunks,
-                               kTokensPerChunk, kD, 1, LogitMap<Warp12>::Query());
+    const Input in = MakeInput<Warp12>(3, chunks, Logits::kSpread, chunks % 2 == 1, 2000 + chunks);
     const Output o12 = RunHistoryWarp<Warp12>(in);
     EXPECT_LT(CompareWithFp64(in, o12).o, kOutTol);
     EXPECT_TRUE(SameBits(RunWalk<Warp12, 1, /*kLoadOrder=*/1>(in), o12)) << "variant 13";
@@ -475,8 +480,7 @@ TEST(HistoryWarpEmulation, LoadOrdersGiveVariant12sBitsAtEveryChunkCount) {
 template <int D, int NG, bool G8, bool kInt>
 void CheckHistoryWarp(const char* name, int g, int pages, Logits kind) {
   using W = HistoryWarp<D, NG, G8, kInt>;
-  const Input in = MakeInput(g, pages, kind, true, 5000 + D + 10 * NG + g, kTokensPerChunk, D, NG,
-                             LogitMap<W>::Query());
+  const Input in = MakeInput<W>(g, pages, kind, true, 5000 + D + 10 * NG + g);
   const Errors e = CompareWithFp64(in, RunHistoryWarp<W>(in));
   std::printf("%-34s o err %.2e  l err %.2e\n", name, e.o, e.l);
   EXPECT_LT(e.o, kOutTol) << name;
@@ -560,9 +564,7 @@ TEST(WarpEmulation, MmaFragmentsOfDistinctValuesGiveTheMatrixProduct) {
       for (int k = 0; k < 32; ++k) want += int(a8(row, k)) * b8(k, col);
       good8 = good8 && c[e] == want;
     }
-    const auto pack = [](float lo, float hi) {
-      return uint32_t(FloatToFp16(lo)) | (uint32_t(FloatToFp16(hi)) << 16);
-    };
+    const auto pack = warp_emulation::PackHalves;
     const uint32_t fa0 = pack(af(g, 2 * t), af(g, 2 * t + 1));
     const uint32_t fa1 = pack(af(g + 8, 2 * t), af(g + 8, 2 * t + 1));
     const uint32_t fa2 = pack(af(g, 2 * t + 8), af(g, 2 * t + 9));

@@ -58,8 +58,9 @@ run() {  # name, command...
 quick=${QUICK:-0}
 # Variant runs: all configurations, or D = 128 only (QUICK=1).
 # QUICK=1 also leaves out the heavy folded test (the default's run keeps it).
-heavy_off() { [ "$quick" = 1 ] && echo '-CudaAttendDefaults.Heavy*'; }
-vfilter() { if [ "$quick" = 1 ]; then echo "*D128*:CudaAttendDefaults.*$(heavy_off)"; else echo "$1"; fi; }
+no_heavy='-CudaAttendDefaults.Heavy*'
+heavy_off() { [ "$quick" = 1 ] && echo "$no_heavy"; }
+vfilter() { if [ "$quick" = 1 ]; then echo "*D128*:CudaAttendDefaults.*$no_heavy"; else echo '*'; fi; }
 
 bench() {
   run sdpa_baseline env PYTHONUNBUFFERED=1 python3 "$here/sdpa_baseline.py" --json "$out/sdpa.json" \
@@ -79,21 +80,18 @@ done
 # for D = 128 only.
 # VARIANTS (e.g. "15 16 17"): only these variants' runs.
 want() { [ -z "${VARIANTS:-}" ] || [[ " $VARIANTS " == *" $1 "* ]]; }
-if [ "$quick" != 1 ] && want 1; then
-  run cuda_attend_test_variant1 env OSCARKV_CUDA_ATTEND_VARIANT=1 "$bundle/bin/cuda_attend_test" \
-    --gtest_filter='*D128*:CudaAttendDefaults.*' --gtest_output="json:$out/cuda_attend_test_variant1.json"
-  grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant1.log" | head -20
-fi
-if want 2; then
-  run cuda_attend_test_variant2 env OSCARKV_CUDA_ATTEND_VARIANT=2 "$bundle/bin/cuda_attend_test" \
-    --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant2.json"
-  grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant2.log" | head -40
-fi
-if want 0; then
-  run cuda_attend_test_variant0 env OSCARKV_CUDA_ATTEND_VARIANT=0 "$bundle/bin/cuda_attend_test" \
-    --gtest_filter="$(vfilter '*')" --gtest_output="json:$out/cuda_attend_test_variant0.json"
-  grep -E "FAILED|Failure" "$out/cuda_attend_test_variant0.log" | head -20
-fi
+# variant_run V FILTER LINES [PATTERN]: the attention tests under variant V,
+# then the log's lines matching PATTERN (its results and failures), at most LINES.
+variant_run() {
+  local v=$1 filter=$2 lines=$3 pattern=${4:-'^(D=|Qwen3)|FAILED|Failure'}
+  want "$v" || return 0
+  run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
+    --gtest_filter="$filter" --gtest_output="json:$out/cuda_attend_test_variant$v.json"
+  grep -E "$pattern" "$out/cuda_attend_test_variant$v.log" | head -"$lines"
+}
+if [ "$quick" != 1 ]; then variant_run 1 '*D128*:CudaAttendDefaults.*' 20; fi
+variant_run 2 "$(vfilter)" 40
+variant_run 0 "$(vfilter)" 20 'FAILED|Failure'
 # Integer q·K (3, 4), integer P·V with 24-bit P' (6) and at 4 blocks/SM (7),
 # the default's loop fed by the shared-memory stage ring (10), in one
 # cluster kernel (11, batches of few items), 16-bit P' (8, the default
@@ -103,11 +101,7 @@ fi
 # 4 blocks/SM (17): differ from the others for D = 128, g <= 4 only (6-8 and
 # 10-17 for G = D only).
 for v in 3 6 8 10 11 12 13 14 15 16 17 $([ "$quick" = 1 ] || echo 4 7); do
-  want $v || continue
-  run cuda_attend_test_variant$v env OSCARKV_CUDA_ATTEND_VARIANT=$v "$bundle/bin/cuda_attend_test" \
-    --gtest_filter="*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*$(heavy_off)" \
-    --gtest_output="json:$out/cuda_attend_test_variant$v.json"
-  grep -E "^(D=|Qwen3)|FAILED|Failure" "$out/cuda_attend_test_variant$v.log" | head -20
+  variant_run $v "*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*$(heavy_off)" 20
 done
 
 if [ "$quick" = 1 ] && [ "${SKIP_BENCH:-0}" != 1 ]; then bench; fi
@@ -126,7 +120,7 @@ if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-san
   run sanitizer_racecheck_attend $cs --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
   run sanitizer_memcheck_attend_v15 env OSCARKV_CUDA_ATTEND_VARIANT=15 $cs --tool memcheck \
-    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*-CudaAttendDefaults.Heavy*'
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter="*D128_g4_groups1:CudaAttendDefaults.*$no_heavy"
   run sanitizer_synccheck_ring env OSCARKV_CUDA_ATTEND_VARIANT=10 $cs --tool synccheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.Long*'
@@ -154,9 +148,9 @@ elif [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-sanitizer > /dev/null
   run sanitizer_memcheck_attend_v2 env OSCARKV_CUDA_ATTEND_VARIANT=2 compute-sanitizer --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:*D64_g8_groups4'
   run sanitizer_memcheck_attend_v4 env OSCARKV_CUDA_ATTEND_VARIANT=4 compute-sanitizer --tool memcheck \
-    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*-CudaAttendDefaults.Heavy*'
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter="*D128_g4_groups1:CudaAttendDefaults.*$no_heavy"
   run sanitizer_memcheck_attend_v15 env OSCARKV_CUDA_ATTEND_VARIANT=15 compute-sanitizer --tool memcheck \
-    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.*-CudaAttendDefaults.Heavy*'
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter="*D128_g4_groups1:CudaAttendDefaults.*$no_heavy"
   run sanitizer_racecheck_codec timeout 150 compute-sanitizer --tool racecheck --error-exitcode 9 \
     "$bundle/bin/cuda_codec_test" --gtest_filter="*Encode*:$roles_test"
   run sanitizer_synccheck_codec_roles timeout 150 compute-sanitizer --tool synccheck --error-exitcode 9 \

@@ -16,8 +16,9 @@ namespace oscarkv {
 // What a warp's Finish writes for up to 8 heads of D <= 256: acc [head][D],
 // m, l; NaN until written.
 struct FinishedState {
-  float o[8][256];
-  float m[8], l[8];
+  static constexpr int kMaxHeads = 8, kMaxDim = 256;  // a block's query heads, head dim
+  float o[kMaxHeads][kMaxDim];
+  float m[kMaxHeads], l[kMaxHeads];
   FinishedState() {
     for (auto& row : o) std::fill(std::begin(row), std::end(row), std::nanf(""));
     std::fill(std::begin(m), std::end(m), std::nanf(""));

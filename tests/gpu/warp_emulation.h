@@ -115,14 +115,6 @@ template <class T>
 T __ldg(const T* p) {
   return *p;
 }
-namespace oscarkv {
-namespace cuda_attend {
-// attend_device.cuh's page loads (an L2 evict-first hint on the GPU).
-inline uint32_t Ld16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
-inline uint32_t Ld32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
-inline uint2 Ld64(const uint8_t* p) { return *reinterpret_cast<const uint2*>(p); }
-}  // namespace cuda_attend
-}  // namespace oscarkv
 unsigned int __float2uint_rn(float x);
 float __fdividef(float a, float b);
 float __frcp_rn(float x);
@@ -140,6 +132,11 @@ inline unsigned int __float_as_uint(float f) { return oscarkv::FloatBits(f); }
 
 namespace oscarkv {
 namespace cuda_attend {
+
+// attend_device.cuh's page loads (an L2 evict-first hint on the GPU).
+inline uint32_t Ld16(const uint8_t* p) { return *reinterpret_cast<const uint16_t*>(p); }
+inline uint32_t Ld32(const uint8_t* p) { return *reinterpret_cast<const uint32_t*>(p); }
+inline uint2 Ld64(const uint8_t* p) { return *reinterpret_cast<const uint2*>(p); }
 
 // D (f32, 16x8) += A (f16, 16x16) · B (f16, 16x8).
 void MmaF16(float (&c)[4], uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint32_t b0,
