@@ -57,6 +57,7 @@ struct LaunchArgs {
   // Benchmarks only, null in service: the rows of each TraceKernel's blocks
   // (kTraceMarks words each; see attend_plan.h). The cluster kernel has none.
   unsigned long long* trace[kTraceKernels];
+  const HeadPartials* head_partials;  // [item][kv head]: what the merge combines
 };
 
 template <int D, int NG, bool G8>

@@ -49,10 +49,13 @@ __device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG]
 // kShortChain): 0 = that service loop is RunDoubleBufferedChunks (variant
 // 12); 1 = it issues each chunk's loads after the chunk before it is first
 // used (RunChunksLoadingAfterFirstUse, variant 13); 2 = 1 with the loads
-// after the chunk's first 16-token tile of logits (variant 14).
+// after the chunk's first 16-token tile of logits (variant 14). kTwoHeads
+// (variant 19): the plan cuts the history flat (UnitSizes::flat), so a unit
+// may hold the exact blocks of the next kv head (WorkUnit::exact_head) and
+// that head's first pages as a second history part, run after the first.
 template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline = false,
           bool kInt = false, int kIntPv = 0, int kStages = 0, bool kExactFirst = false,
-          bool kShortChain = false, int kLoadOrder = 0>
+          bool kShortChain = false, int kLoadOrder = 0, bool kTwoHeads = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
   using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv, kShortChain>,
@@ -62,6 +65,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   static_assert(kLoadOrder == 0 || kStages == 0, "load orders of the register double buffer");
   static_assert(kLoadOrder == 0 || kShortChain, "the load orders of variant 12's loop");
   static_assert(kStages == 0 || !kPipeline, "the stage ring replaces the register buffers");
+  static_assert(!kTwoHeads || (kShortChain && kStages == 0), "two heads: variant 15's loop");
   constexpr int HG = C::HG;
   __shared__ __align__(16) float sm_o[kWarps][HG][D];  // also the exact steps' scratch
   __shared__ float sm_m[kWarps][HG];
@@ -83,6 +87,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     clear_warp_state();
   };
   const bool has_history = wu.partial >= 0, has_exact = wu.exact_partial >= 0;
+  const int exact_head = kTwoHeads ? wu.exact_head : wu.kv_head;
   // The exact part: the unit's exact blocks into its exact partial.
   auto run_exact = [&] {
     // Exact blocks [exact_begin, exact_end); each block's tokens split over
@@ -135,9 +140,9 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     seek(0);
     if (e < nb) {
       // The queries' loads first, then the rows', without waiting between.
-      ex.Init(a.queries + (size_t(wu.item) * a.hq + size_t(wu.kv_head) * a.g) * D, a.scale_log2,
+      ex.Init(a.queries + (size_t(wu.item) * a.hq + size_t(exact_head) * a.g) * D, a.scale_log2,
               a.g, lane);
-      Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+      Ex::LoadRows(a, exact_head, blk, t, t1, lane, rows);
     }
     if (!has_history) {
       LaunchDependents();
@@ -158,7 +163,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         t += Ex::kTokensPerStep;
         if (t >= t1) seek(e + 1);
         if (e >= nb) break;
-        Ex::LoadRows(a, wu.kv_head, blk, t, t1, lane, rows);
+        Ex::LoadRows(a, exact_head, blk, t, t1, lane, rows);
         ex.Step(a.g, rows, t, t1, lane, scratch);
       }
       ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
@@ -174,12 +179,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   } else if (has_history && has_exact) {
     PrefetchExactRowsL2<D>(a, wu);
   }
-  if (has_history) {
+  // A history part: pages [begin, end) of kv head `kv_head` into `partial`.
+  auto run_history = [&](int kv_head, int begin, int end, int partial) {
     const int cpp = a.geom.page_tokens / 32;
-    const int n = (wu.end - wu.begin) * cpp;
+    const int n = (end - begin) * cpp;
     Warp hw;
-    hw.InitOffsets(a.geom, wu.kv_head, lane);
-    WarpPages<kWarps> pages(item, wu.begin, n, cpp, warp, lane);
+    hw.InitOffsets(a.geom, kv_head, lane);
+    WarpPages<kWarps> pages(item, begin, n, cpp, warp, lane);
     // The same code as calling pages' methods directly, which ptxas
     // schedules differently (checked on the dev VM: these forwards keep the
     // SASS of every split kernel byte-identical to the lambdas they replaced).
@@ -189,7 +195,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     if constexpr (kStages > 0) {
       extern __shared__ __align__(128) uint8_t ring_smem[];
       StageRing<D, NG, kStages> ring;
-      ring.Init(ring_smem, warp, lane, a.geom, wu.kv_head);
+      ring.Init(ring_smem, warp, lane, a.geom, kv_head);
       // The first kStages chunks go in flight before the prep kernel's
       // results are needed. page_of is a warp shuffle: all lanes call it.
       for (int it = 0; it < iters && it < kStages; ++it) {
@@ -200,7 +206,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       LaunchDependents();
       Trace(trace, blockIdx.x, kTraceWaited);
       if (iters > 0) {
-        hw.InitQuery(a, wu.item, wu.kv_head, lane);
+        hw.InitQuery(a, wu.item, kv_head, lane);
         const int ablate = a.ablate;
         int s = 0;
         uint32_t phase = 0;
@@ -247,7 +253,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         LaunchDependents();
         Trace(trace, blockIdx.x, kTraceWaited);
         if (iters > 0) {
-          hw.InitQuery(a, wu.item, wu.kv_head, lane);
+          hw.InitQuery(a, wu.item, kv_head, lane);
           hw.Logits(ra, lga);
           if (iters > 1) hw.LoadV(vb, page_of(1), in_page(1));
           if (iters > 2) hw.LoadK(ra, page_of(2), in_page(2));
@@ -274,7 +280,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         LaunchDependents();
         Trace(trace, blockIdx.x, kTraceWaited);
         if (iters > 0) {
-          hw.InitQuery(a, wu.item, wu.kv_head, lane);
+          hw.InitQuery(a, wu.item, kv_head, lane);
           if constexpr (kPrefetch) {
             // a.ablate (benchmarks only, see AttendLauncher::set_ablate) is 0 in
             // service; kShortChain compiles that loop with a literal 0.
@@ -301,8 +307,17 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       }
     }
     Trace(trace, blockIdx.x, kTraceLoopDone);
-    WritePartial<D, HG>(a, wu.partial, sm_o, sm_m, sm_l);
+    WritePartial<D, HG>(a, partial, sm_o, sm_m, sm_l);
     Trace(trace, blockIdx.x, kTraceWritten);
+  };
+  if (has_history) run_history(wu.kv_head, wu.begin, wu.end, wu.partial);
+  if constexpr (kTwoHeads) {
+    // The next kv head's first pages (its trace marks overwrite the first
+    // part's). It waits for the prep kernel again, which returns at once.
+    if (wu.next_partial >= 0) {
+      next_part();
+      run_history(wu.kv_head + 1, 0, wu.next_end, wu.next_partial);
+    }
   }
   if constexpr (!kExactFirst) {
     if (has_exact) {
@@ -346,8 +361,10 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // 14 = 13 with the loads after the chunk's first tile of logits (kLoadOrder
 // 2; other shapes run 3); 15 = 14 at 4 blocks per SM (128 registers); 16 =
 // 10's stage ring feeding 12's warp (kShortChain; other shapes run 3); 17 =
-// 16 at 4 blocks per SM. (18, auto, is resolved to 14 or 15 by Prepare.)
-constexpr int kLastVariant = AttendLauncher::kAutoVariant - 1;
+// 16 at 4 blocks per SM; 19 = 15 with units of two kv heads (kTwoHeads),
+// which the plan then cuts flat (HasTwoHeadKernel; other shapes run 3).
+// (18, auto, is resolved to 14 or 15 by Prepare.)
+constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
   return variant >= 6 && variant <= kLastVariant && head_dim == 128 && groups == 1 && !g8;
@@ -360,12 +377,13 @@ inline bool UsesIntQk(int variant, int head_dim, bool g8) {
 // exact blocks first or after the pages (variants 8 and 12-17): kMinBlocks
 // blocks per SM, kStages ring stages (0: the register double buffer),
 // kShortChain and kLoadOrder as SplitKernel's.
-template <int D, int NG, bool G8, int kMinBlocks, int kStages, bool kShortChain, int kLoadOrder>
+template <int D, int NG, bool G8, int kMinBlocks, int kStages, bool kShortChain, int kLoadOrder,
+          bool kTwoHeads = false>
 auto IntPv16Kernel(bool exact_first) {
   return exact_first ? &SplitKernel<D, NG, G8, kMinBlocks, true, false, false, 2, kStages, true,
-                                    kShortChain, kLoadOrder>
+                                    kShortChain, kLoadOrder, kTwoHeads>
                      : &SplitKernel<D, NG, G8, kMinBlocks, true, false, false, 2, kStages, false,
-                                    kShortChain, kLoadOrder>;
+                                    kShortChain, kLoadOrder, kTwoHeads>;
 }
 
 // Whether the variant's kernel for D = 128, G = D, g <= 4 reads its chunks
@@ -393,6 +411,7 @@ auto SplitKernelFor(int variant, bool exact_first) {
       case 15: return IntPv16Kernel<D, NG, G8, 4, 0, true, 2>(exact_first);
       case 16: return IntPv16Kernel<D, NG, G8, 3, kRingStages, true, 0>(exact_first);
       case 17: return IntPv16Kernel<D, NG, G8, 4, kRingStages, true, 0>(exact_first);
+      case 19: return IntPv16Kernel<D, NG, G8, 4, 0, true, 2, true>(exact_first);
       default: break;
     }
     if (variant == 10) return &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages>;
@@ -612,6 +631,11 @@ absl::StatusOr<int> MergeBlocksPerSm() {
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaOccupancyMaxActiveBlocksPerMultiprocessor(
       &blocks, MergeKernelFor<128>(false, 32), kThreads, 0));
   return blocks;
+}
+
+bool HasTwoHeadKernel(const LaunchShape& s) {
+  return s.variant == AttendLauncher::kFlatCutVariant && s.head_dim == 128 && s.groups == 1 &&
+         !s.g8 && s.cluster_blocks == 0;
 }
 
 absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& s) {

@@ -52,6 +52,7 @@ struct AttendSchedule {
   // The split-kernel variant that ran (variant 18 resolves to 14 or 15).
   int variant = 0;
   int merge_slice = 32;  // output dims per merge block (32 or 64)
+  bool flat_cut = false;  // units cut over all kv heads of an item (variant 19)
 };
 
 // For benchmarks: the per-block timeline of one call's kernels
@@ -164,12 +165,18 @@ class AttendLauncher {
   //       every shape but B8 64K (104.8 us) in run 25;
   //   18 = auto, the default: 15 when the batch's history gives each SM at
   //       least kHeavyTokenHeadsPerSm (token, kv head) pairs, else 14
-  //       (ResolveVariant).
+  //       (ResolveVariant);
+  //   19 = 15 with the history cut flat (attend_schedule.h's FlatCuts): each
+  //       item's kv heads end to end in units of even weight, which may span
+  //       two kv heads (same shapes as 12; others run 3). At B8 64K on an
+  //       H200 that is 528 units for 528 slots instead of 512 (8 SMs with
+  //       fewer than 4 blocks, RESULTS run 25). Not yet timed (2026-12-01).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
-  static constexpr int kNumVariants = 19;
+  static constexpr int kNumVariants = 20;
   static constexpr int kClusterVariant = 11;
   static constexpr int kAutoVariant = 18;
+  static constexpr int kFlatCutVariant = 19;
   static constexpr int kDefaultVariant = kAutoVariant;
   // What variant 18 runs on light and on heavy batches.
   static constexpr int kAutoLightVariant = 14, kAutoHeavyVariant = 15;

@@ -29,6 +29,8 @@ struct LaunchShape {
   // The plan folds the exact blocks onto the history units (UnitSizes::
   // fold_exact): variants 8 and 12-17 then run their exact-first kernels.
   bool exact_first = false;
+  // The plan cuts the history flat (UnitSizes::flat): units of two kv heads.
+  bool flat_cut = false;
   // > 0: one cluster kernel (attend_cluster.cuh) with clusters of this many
   // blocks instead of the three kernels.
   int cluster_blocks = 0;
@@ -44,6 +46,11 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& shape,
 // 4 query heads per kv head): the launcher's kernel choice itself, asked
 // without the device. SizeAttendUnits plans folding by it.
 absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& shape);
+
+// Whether this shape's split kernel under shape.variant runs units of two
+// kv heads (variant 19 at D 128, one group, at most 4 query heads per kv
+// head), so that SizeAttendUnits may cut the history flat.
+bool HasTwoHeadKernel(const LaunchShape& shape);
 
 // Resident blocks per multiprocessor of the split kernel for this shape.
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& shape);

@@ -23,6 +23,7 @@
 
 namespace oscarkv {
 
+using cuda_attend::HeadPartials;
 using cuda_attend::ItemPlan;
 using cuda_attend::LaunchArgs;
 using cuda_attend::LaunchShape;
@@ -189,8 +190,10 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     }
     const long capacity = std::max<long>(1, long(known->second) * num_sms_);
     OSCARKV_ASSIGN_OR_RETURN(const bool exact_first, cuda_attend::HasExactFirstKernel(shape));
-    sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first);
+    sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first,
+                                         cuda_attend::HasTwoHeadKernel(shape));
     shape.exact_first = sizes.fold_exact && exact_first;
+    shape.flat_cut = sizes.flat;
   }
   const long num_work = sizes.num_work();
   // The merge kernel addresses the partials with 32-bit float offsets.
@@ -223,7 +226,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     }
   }
 
-  // Layout: [items][page table][exact blocks][work][queries] (uploaded from
+  // Layout: [items][page table][exact blocks][work][head partials][queries] (uploaded from
   // the staging buffer), then [qfrag][qmeta][partials][cluster counts]
   // [trace] (device only).
   // The outputs, [item][Hq * D + Hq] floats (out, then lse), go to the mapped
@@ -236,7 +239,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t off_pages = AlignUp(off_items + sizeof(ItemPlan) * n);
   const size_t off_exact = AlignUp(off_pages + sizeof(void*) * table_pages);
   const size_t off_work = AlignUp(off_exact + sizeof(ExactBlockRef) * total_exact);
-  const size_t off_q = AlignUp(off_work + sizeof(WorkUnit) * num_work);
+  const size_t off_heads = AlignUp(off_work + sizeof(WorkUnit) * num_work);
+  const size_t off_q = AlignUp(off_heads + sizeof(HeadPartials) * n * H);
   const size_t upload = AlignUp(off_q + size_t(n) * q_floats * 4);
   // Staging only: the new entries of named tables, copied into the array.
   const size_t off_updates = upload;
@@ -271,6 +275,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   auto* pages = reinterpret_cast<const uint8_t**>(host + off_pages);
   auto* exact = reinterpret_cast<ExactBlockRef*>(host + off_exact);
   auto* work = reinterpret_cast<WorkUnit*>(host + off_work);
+  auto* heads = reinterpret_cast<HeadPartials*>(host + off_heads);
   auto* queries = reinterpret_cast<float*>(host + off_q);
   auto* updates = reinterpret_cast<const uint8_t**>(host + off_updates);
   auto* dev_queries = reinterpret_cast<float*>(dev + off_q);
@@ -341,16 +346,17 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   if (shape.cluster_blocks > 0) {
     cuda_attend::FillClusterUnits(b.items, n, H, shape.cluster_blocks, clusters_per_head, work);
   } else {
-    cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, items);
+    cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, heads);
   }
   for (long u = 0; u < num_work; ++u) {
     WorkUnit& wu = work[u];
     wu.exact = wu.exact_end > wu.exact_begin ? items[wu.item].exact + wu.exact_begin : nullptr;
     wu.first_exact = wu.exact != nullptr ? b.items[wu.item].exact[wu.exact_begin] : ExactBlockRef{};
   }
+  // The cluster kernel has no merge kernel and no head partials.
   int max_splits = 0;
-  for (int i = 0; i < n; ++i) {
-    max_splits = std::max(max_splits, items[i].hist_splits + items[i].exact_splits);
+  for (long ih = 0; shape.cluster_blocks == 0 && ih < long(n) * H; ++ih) {
+    max_splits = std::max(max_splits, heads[ih].hist_count + heads[ih].exact_count);
   }
   shape.wide_merge = max_splits > cuda_attend::kWarps * cuda_attend::MergeBatch(D, false);
   // 64-dim merge slices when the 32-dim grid would take two waves (B8 at
@@ -386,6 +392,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   LaunchArgs& a = prepared_->args;
   a.items = reinterpret_cast<const ItemPlan*>(dev + off_items);
   a.work = reinterpret_cast<const WorkUnit*>(dev + off_work);
+  a.head_partials = reinterpret_cast<const HeadPartials*>(dev + off_heads);
   a.geom = geom;
   a.g = g;
   a.hq = b.num_q_heads;
@@ -430,6 +437,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.clusters_per_head = shape.cluster_blocks > 0 ? clusters_per_head : 0;
   schedule_.variant = shape.variant;
   schedule_.merge_slice = shape.merge_slice;
+  schedule_.flat_cut = sizes.flat;
   schedule_.cluster_blocks = shape.cluster_blocks;
   return absl::OkStatus();
 }

@@ -177,11 +177,13 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   const int block = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
   unsigned long long* const trace = a.trace[kTraceMerge];
   Trace(trace, block, kTraceStart);
-  // The item's plan was uploaded before the prep kernel: read before waiting.
+  // The item's plan and its head's partial ranges were uploaded before the
+  // prep kernel: read before waiting.
   const ItemPlan& item = a.items[item_idx];
   const int g = a.g, h = qh / g, hh = qh % g;
-  const int nh = item.hist_splits, ne = item.exact_splits, n = nh + ne;
-  const int hfirst = item.hist_begin + h * nh, efirst = item.exact_begin + h * ne;
+  const HeadPartials hp = a.head_partials[item_idx * a.geom.kv_heads + h];
+  const int nh = hp.hist_count, ne = hp.exact_count, n = nh + ne;
+  const int hfirst = hp.hist_first, efirst = hp.exact_first;
   float* const out = item.out;
   float* const lse_out = item.lse;
   float rr[kRvShared ? 1 : kPerWarp][EL];

@@ -4,10 +4,12 @@
 // A batch is cut into work units, one thread block each:
 //   - exact units: one (item, kv head, range of sink/recent blocks), BF16 attention;
 //   - history units: one (item, kv head, range of history pages) (split-KV),
-//     which may also take a range of the same kv head's exact blocks.
+//     which may also take a range of the same kv head's exact blocks; under
+//     a flat cut (variant 19) a unit may go on into the next kv head.
 // Every part of a unit writes one partial result (un-normalized accumulator,
 // running max and running sum per query head of the GQA group, base-2
-// logits) that the merge kernel combines with the online-softmax rule.
+// logits) that the merge kernel combines with the online-softmax rule; the
+// partials of each (item, kv head) are listed by its HeadPartials.
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_PLAN_H_
 #define OSCARKV_KERNELS_CUDA_ATTEND_PLAN_H_
 
@@ -28,12 +30,17 @@ struct ItemPlan {
   const ExactBlockRef* exact = nullptr;   // device copy of the exact blocks
   int num_pages = 0;
   int num_exact = 0;
-  // Partials of kv head h: history  hist_begin + h * hist_splits + s,
-  //                        exact    exact_begin + h * exact_splits + e.
-  int hist_begin = 0;
-  int hist_splits = 0;
-  int exact_begin = 0;
-  int exact_splits = 0;
+};
+
+// The partials of one (item, kv head) that the merge combines: history
+// partials [hist_first, hist_first + hist_count) (in the rotated basis) and
+// exact ones [exact_first, exact_first + exact_count). LaunchArgs::
+// head_partials holds one per (item, kv head), item major.
+struct HeadPartials {
+  int hist_first = 0;
+  int hist_count = 0;
+  int exact_first = 0;
+  int exact_count = 0;
 };
 
 // A unit has a history part (pages [begin, end) of one kv head, written to
@@ -42,7 +49,11 @@ struct ItemPlan {
 // the unit has no such part. A unit with both runs the history first, or
 // the exact part first in the default variant's exact-first kernel
 // (SplitKernel's kExactFirst). (The cluster kernel's units leave both
-// indices at -1 and read the ranges.)
+// indices at -1 and read the ranges.) Under a flat cut (UnitSizes::flat,
+// variant 19's kernel: SplitKernel's kTwoHeads) the exact blocks may be
+// those of kv head exact_head = kv_head + 1, and a unit may have a second
+// history part: pages [0, next_end) of kv head kv_head + 1, written to
+// partial next_partial (-1: none), run after the first.
 struct WorkUnit {
   int item = 0;
   int kv_head = 0;
@@ -59,6 +70,9 @@ struct WorkUnit {
   // exact[0] itself (when `exact` is set): the first block's rows are loaded
   // straight after the unit, one more dependent load less.
   ExactBlockRef first_exact;
+  int exact_head = 0;  // the exact blocks' kv head (kv_head but under a flat cut)
+  int next_end = 0;
+  int next_partial = -1;
 };
 
 // Floats per partial: acc [g][D], then m [g], then l [g].

@@ -150,8 +150,125 @@ UnitSizes SizeUnits(const AttendItem* items, int n, int H, long capacity, bool f
 
 }  // namespace
 
+bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<FlatUnit>* out) {
+  out->clear();
+  if (pages <= 0 || H <= 0 || units <= 0) return pages <= 0 || H <= 0;
+  if (cost <= 0) exact = 0;  // weightless blocks would be cut anywhere
+  const long per_head = exact + pages;  // elements: blocks, then pages
+  const long elements = per_head * H;
+  const long head_weight = cost * exact + pages;
+  const double total = double(head_weight) * H;
+  units = static_cast<int>(std::min<long>(units, elements));
+  // The element boundary whose weight before it is nearest to w.
+  auto boundary_at = [&](double w) {
+    const long h = std::min<long>(H - 1, static_cast<long>(w / double(head_weight)));
+    const double o = w - double(h) * double(head_weight);
+    long j;
+    if (o <= double(cost * exact)) {
+      j = exact > 0 ? std::lround(o / double(cost)) : 0;
+    } else {
+      j = exact + std::lround(o - double(cost * exact));
+    }
+    return h * per_head + std::clamp<long>(j, 0, per_head);
+  };
+  auto weight_of = [&](long e0, long e1) {  // elements [e0, e1) of one head
+    const long blocks = std::max(0L, std::min(e1, long(exact)) - e0);
+    return cost * blocks + (e1 - e0 - blocks);
+  };
+  long prev = 0;
+  for (int k = 1; k <= units; ++k) {
+    long b = k == units ? elements : boundary_at(total * k / units);
+    b = std::clamp(b, prev + 1, elements - (units - k));
+    // The unit [prev, b): its first and last heads, its elements in each.
+    long h0 = prev / per_head, e0 = prev % per_head;
+    long h1 = (b - 1) / per_head, e1 = (b - 1) % per_head + 1;
+    FlatUnit u;
+    u.head = static_cast<int>(h0);
+    u.exact_head = u.head;
+    if (h1 == h0) {
+      if (e0 < exact) {
+        u.exact_begin = static_cast<int>(e0);
+        u.exact_end = static_cast<int>(std::min<long>(e1, exact));
+      }
+      u.begin = static_cast<int>(std::max<long>(e0, exact) - exact);
+      u.end = static_cast<int>(std::max<long>(e1, exact) - exact);
+      u.weight = weight_of(e0, e1);
+    } else {
+      // Two heads at most, and head h0's part pages only.
+      if (h1 != h0 + 1 || e0 < exact) return false;
+      u.begin = static_cast<int>(e0 - exact);
+      u.end = static_cast<int>(pages);
+      u.exact_head = static_cast<int>(h1);
+      u.exact_end = static_cast<int>(std::min<long>(e1, exact));
+      u.next_end = static_cast<int>(std::max<long>(e1, exact) - exact);
+      u.weight = weight_of(e0, per_head) + weight_of(0, e1);
+    }
+    out->push_back(u);
+    prev = b;
+  }
+  return true;
+}
+
+namespace {
+
+// The flat cut of a batch (SizeAttendUnits' flat_cut) on the wave share
+// `target`, from per-head sizes `u`: units per item in proportion to its
+// weight, the remainder one by one to the item with the heaviest units.
+// False (u unchanged) when some item's cut would not fit FlatUnit.
+bool CutFlat(const AttendItem* items, int n, int H, long target, UnitSizes* u) {
+  // Folded blocks need a weight to be cut with the pages (the kernels that
+  // run them after the pages have none, and no flat cut).
+  if (u->fold_exact && u->exact_page_cost <= 0) return false;
+  const long cost = u->fold_exact ? u->exact_page_cost : 0;
+  std::vector<double> weight(n, 0.0);
+  double total = 0;
+  for (int i = 0; i < n; ++i) {
+    if (items[i].num_pages <= 0) continue;
+    const long e = u->fold_exact ? items[i].num_exact : 0;
+    weight[i] = double(H) * double(items[i].num_pages + cost * e);
+    total += weight[i];
+  }
+  if (total <= 0) return false;
+  std::vector<int> units(n, 0);
+  long assigned = 0;
+  for (int i = 0; i < n; ++i) {
+    if (weight[i] <= 0) continue;
+    units[i] = std::max(1, static_cast<int>(double(target) * weight[i] / total));
+    assigned += units[i];
+  }
+  for (; assigned < target; ++assigned) {
+    int best = -1;
+    for (int i = 0; i < n; ++i) {
+      if (weight[i] > 0 && (best < 0 || weight[i] / units[i] > weight[best] / units[best])) best = i;
+    }
+    ++units[best];
+  }
+  long history_units = 0, partials = 0, heaviest = 0;
+  std::vector<FlatUnit> cut;
+  for (int i = 0; i < n; ++i) {
+    if (units[i] == 0) continue;
+    const int e = u->fold_exact ? items[i].num_exact : 0;
+    if (!FlatCuts(items[i].num_pages, e, cost, H, units[i], &cut)) return false;
+    units[i] = static_cast<int>(cut.size());
+    history_units += units[i];
+    for (const FlatUnit& f : cut) {
+      partials += (f.begin < f.end) + (f.exact_begin < f.exact_end) + (f.next_end > 0);
+      heaviest = std::max(heaviest, f.weight);
+    }
+  }
+  // Items whose exact blocks take exact units of their own keep them.
+  u->partials = u->exact_units + partials;
+  u->history_units = history_units;
+  u->pages_per_unit = heaviest;
+  u->flat = true;
+  u->flat_units = std::move(units);
+  return true;
+}
+
+}  // namespace
+
 UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity, FoldExact fold,
-                          bool exact_first) {
+                          bool exact_first, bool flat_cut) {
   UnitSizes sizes;
   switch (fold) {
     case FoldExact::kAlways:
@@ -168,6 +285,10 @@ UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity, 
     }
   }
   sizes.exact_page_cost = sizes.fold_exact && exact_first ? kFoldedExactPageCost : 0;
+  if (flat_cut) {
+    const long cap = std::max<long>(1, capacity);
+    CutFlat(items, n, H, std::max({1L, cap / 2, cap - sizes.exact_units}), &sizes);
+  }
   return sizes;
 }
 
@@ -177,6 +298,7 @@ WorkUnit UnitOf(int item, int kv_head) {
   WorkUnit u{};
   u.item = item;
   u.kv_head = kv_head;
+  u.exact_head = kv_head;
   return u;
 }
 }  // namespace
@@ -201,19 +323,71 @@ void FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per, lo
   }
 }
 
+namespace {
+
+// The history units of item i under a flat cut, from `partial` on: each
+// kv head's history partials, then its exact ones.
+void FillFlatUnits(const UnitSizes& sizes, const AttendItem& it, int i, int H, int* partial,
+                   int* w, WorkUnit* work, HeadPartials* heads) {
+  std::vector<FlatUnit> cut;
+  const int exact = sizes.fold_exact ? it.num_exact : 0;
+  FlatCuts(it.num_pages, exact, sizes.fold_exact ? sizes.exact_page_cost : 0, H,
+           sizes.flat_units[i], &cut);
+  std::vector<int> hist(H, 0), ex(H, 0);
+  for (const FlatUnit& f : cut) {
+    if (f.begin < f.end) ++hist[f.head];
+    if (f.exact_begin < f.exact_end) ++ex[f.exact_head];
+    if (f.next_end > 0) ++hist[f.head + 1];
+  }
+  for (int h = 0; h < H; ++h) {
+    HeadPartials& hp = heads[size_t(i) * H + h];
+    hp.hist_first = *partial;
+    hp.hist_count = hist[h];
+    *partial += hist[h];
+    if (ex[h] > 0) {  // else the item's exact units' (set before)
+      hp.exact_first = *partial;
+      hp.exact_count = ex[h];
+      *partial += ex[h];
+    }
+    hist[h] = hp.hist_first;  // from here: the next index of each set
+    ex[h] = hp.exact_first;
+  }
+  for (const FlatUnit& f : cut) {
+    WorkUnit& u = work[(*w)++] = UnitOf(i, f.head);
+    if (f.begin < f.end) {
+      u.begin = f.begin;
+      u.end = f.end;
+      u.partial = hist[f.head]++;
+    }
+    if (f.exact_begin < f.exact_end) {
+      u.exact_head = f.exact_head;
+      u.exact_begin = f.exact_begin;
+      u.exact_end = f.exact_end;
+      u.exact_partial = ex[f.exact_head]++;
+    }
+    if (f.next_end > 0) {
+      u.next_end = f.next_end;
+      u.next_partial = hist[f.head + 1]++;
+    }
+  }
+}
+
+}  // namespace
+
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int H,
-                     WorkUnit* work, ItemPlan* plans) {
+                     WorkUnit* work, HeadPartials* heads) {
   const long epu = sizes.exact_per_unit, ppu = sizes.pages_per_unit;
   int partial = 0, w = 0;
   std::vector<long> cuts;  // one item's page cuts at a time
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = items[i];
-    plans[i].exact_begin = partial;
-    plans[i].exact_splits = 0;
+    for (int h = 0; h < H; ++h) heads[size_t(i) * H + h] = HeadPartials{partial, 0, partial, 0};
     if (it.num_exact <= 0 || (sizes.fold_exact && it.num_pages > 0)) continue;
     const int splits = static_cast<int>((it.num_exact + epu - 1) / epu);
-    plans[i].exact_splits = splits;
     for (int h = 0; h < H; ++h) {
+      HeadPartials& hp = heads[size_t(i) * H + h];
+      hp.exact_first = partial;
+      hp.exact_count = splits;
       for (int s = 0; s < splits; ++s) {
         WorkUnit& u = work[w++] = UnitOf(i, h);
         u.exact_begin = static_cast<int>(s * epu);
@@ -224,18 +398,27 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
   }
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = items[i];
+    if (sizes.flat && it.num_pages > 0) {
+      FillFlatUnits(sizes, it, i, H, &partial, &w, work, heads);
+      continue;
+    }
     const int splits = it.num_pages > 0 ? static_cast<int>((it.num_pages + ppu - 1) / ppu) : 0;
-    plans[i].hist_begin = partial;
-    plans[i].hist_splits = splits;
+    const int hist_begin = partial;
     partial += H * splits;
     // Exact blocks riding on this item's first history units.
     const bool fold = sizes.fold_exact && splits > 0 && it.num_exact > 0;
     const int esplits = fold ? FoldedExactSplits(it.num_exact, splits) : 0;
     const int per = fold ? FoldedExactPerUnit(it.num_exact, splits) : 0;
-    if (fold) {
-      plans[i].exact_begin = partial;
-      plans[i].exact_splits = esplits;
-      partial += H * esplits;
+    const int exact_begin = partial;
+    if (fold) partial += H * esplits;
+    for (int h = 0; h < H; ++h) {
+      HeadPartials& hp = heads[size_t(i) * H + h];
+      hp.hist_first = hist_begin + h * splits;
+      hp.hist_count = splits;
+      if (fold) {
+        hp.exact_first = exact_begin + h * esplits;
+        hp.exact_count = esplits;
+      }
     }
     FoldedPageCuts(it.num_pages, splits, ppu, it.num_exact, per, fold ? sizes.exact_page_cost : 0,
                    &cuts);
@@ -244,12 +427,12 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
         WorkUnit& u = work[w++] = UnitOf(i, h);
         u.begin = static_cast<int>(cuts[s]);
         u.end = static_cast<int>(cuts[s + 1]);
-        u.partial = plans[i].hist_begin + h * splits + s;
+        u.partial = hist_begin + h * splits + s;
         const BlockRange r = FoldedExactBlocks(it.num_exact, per, s);
         if (r.begin < r.end) {
           u.exact_begin = r.begin;
           u.exact_end = r.end;
-          u.exact_partial = plans[i].exact_begin + h * esplits + s;
+          u.exact_partial = exact_begin + h * esplits + s;
         }
       }
     }

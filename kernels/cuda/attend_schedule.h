@@ -36,6 +36,12 @@ struct UnitSizes {
   // are cut over its units (kFoldedExactPageCost with an exact-first kernel).
   long exact_page_cost = 0;
   long partials = 0;  // partial results the units write
+  // A flat cut (SizeAttendUnits' flat_cut, FlatCuts): each item's kv heads
+  // laid end to end and cut into flat_units[i] history units of even
+  // weight, which may span two kv heads; pages_per_unit is then the largest
+  // unit's weight.
+  bool flat = false;
+  std::vector<int> flat_units;  // per item (0 for an item without pages)
   long num_work() const { return exact_units + history_units; }
 };
 
@@ -96,10 +102,42 @@ inline constexpr long kFoldPagesPerUnitExactAfter = 256;
 // their own would sit idle once done, for most of a long call: 16 % of the
 // wave at B8 64K).
 // exact_first: the split kernel of this batch's shape runs folded exact
-// blocks before the pages (kFoldPagesPerUnit, weighted cuts) or after them
-// (kFoldPagesPerUnitExactAfter, even cuts).
+// blocks before the pages (kFoldPagesPerUnitExactAfter, even cuts, when it
+// does not). flat_cut (the split kernel runs units of two kv heads: variant
+// 19's): the history units are cut flat (FlatCuts) whenever every item's
+// cut fits that kernel's units, from the same folding decision, exact
+// units and share of the wave; each item gets units in proportion to its
+// weight (pages + kFoldedExactPageCost per folded exact block, over all its
+// kv heads). Per (item, kv head) cuts give B8 64K on an H200 512 units for
+// 528 slots; a flat cut gives 528 of ~3 % less weight each.
 UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity,
-                          FoldExact fold = FoldExact::kAuto, bool exact_first = true);
+                          FoldExact fold = FoldExact::kAuto, bool exact_first = true,
+                          bool flat_cut = false);
+
+// One history unit of a flat cut of an item (FlatCuts): pages [begin, end)
+// of kv head `head`, exact blocks [exact_begin, exact_end) of kv head
+// exact_head, and pages [0, next_end) of kv head head + 1, each possibly
+// empty.
+struct FlatUnit {
+  int head = 0;
+  int begin = 0, end = 0;
+  int exact_head = 0;
+  int exact_begin = 0, exact_end = 0;
+  int next_end = 0;
+  long weight = 0;  // pages + cost x exact blocks
+};
+
+// Cuts one item's history flat: its kv heads' exact blocks (weight `cost`
+// each; pass exact = 0 when they do not ride on the history units) and
+// pages laid end to end, kv head after kv head, each head's blocks before
+// its pages, cut at block and page boundaries nearest to `units` even
+// shares of the weight (at least one block or page each). Writes the units
+// in order. Returns false when a unit does not have the form FlatUnit
+// describes (it would cover more than two kv heads, or the exact blocks of
+// two, or a whole head's pages after its blocks: too few units for the
+// item's heads), which the caller answers with per-head cuts.
+bool FlatCuts(long pages, int exact, long cost, int kv_heads, int units,
+              std::vector<FlatUnit>* out);
 
 // An item whose exact blocks ride on its `hist_splits` history units: each
 // of its first units takes ceil(E / hist_splits) blocks (FoldedExactPerUnit),
@@ -143,12 +181,13 @@ void FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per, lo
                     std::vector<long>* cuts);
 
 // Writes sizes.num_work() units into `work`: the exact units (item, then kv
-// head major), then the history units; sizes.partials partial indices, each
-// written by exactly one unit. Sets the partial ranges of plans[i]
-// (exact_begin, exact_splits, hist_begin, hist_splits: the partials of kv
-// head h are begin + h * splits + s) and leaves its other fields alone.
+// head major), then the history units (item major; per kv head, or flat
+// when sizes.flat); sizes.partials partial indices, each written by exactly
+// one part of one unit, and each (item, kv head)'s partial ranges into
+// heads[item * kv_heads + head] (with per-head cuts, kv head h's history
+// partials are the item's first one + h x its units per head).
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int num_items,
-                     int kv_heads, WorkUnit* work, ItemPlan* plans);
+                     int kv_heads, WorkUnit* work, HeadPartials* heads);
 
 // An exact block's weight against one history page when the cluster
 // kernel's ranks share an (item, kv head): a 32-token BF16 block of one kv

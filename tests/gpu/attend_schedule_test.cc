@@ -23,17 +23,64 @@ struct Case {
   long capacity;
   FoldExact fold = FoldExact::kAuto;
   bool exact_first = true;  // the shape's split kernel runs folded blocks first
+  bool flat_cut = false;    // the shape's split kernel runs units of two kv heads
 };
+
+// The partials each (item, kv head)'s parts write: its history and exact sets.
+struct HeadSets {
+  std::set<int> hist, exact;
+};
+
+// Checks one history unit of a flat cut: at most two kv heads, the second
+// one's pages only after the whole of the first's, and the exact blocks of
+// one head, before that head's pages.
+// `blocks`: the item's exact blocks that ride on its history units.
+void CheckFlatUnit(const WorkUnit& w, const AttendItem& it, int H, int blocks) {
+  EXPECT_TRUE(w.exact_head == w.kv_head || w.exact_head == w.kv_head + 1);
+  EXPECT_LT(w.exact_head, H);
+  const bool has_history = w.partial >= 0, has_exact = w.exact_partial >= 0;
+  if (w.next_partial >= 0) {
+    EXPECT_TRUE(has_history);
+    EXPECT_LT(w.kv_head + 1, H);
+    EXPECT_GT(w.next_end, 0);
+    EXPECT_LE(w.next_end, it.num_pages);
+  } else {
+    EXPECT_EQ(w.next_end, 0);
+  }
+  if (has_exact && w.exact_head == w.kv_head + 1) {
+    // The blocks of the next head: this head's pages up to its end, then
+    // the next head's blocks from its first.
+    EXPECT_TRUE(has_history);
+    EXPECT_EQ(w.end, it.num_pages);
+    EXPECT_EQ(w.exact_begin, 0);
+  }
+  if (has_exact && w.exact_head == w.kv_head && has_history) {
+    // The blocks of this head, then its pages from its first.
+    EXPECT_EQ(w.begin, 0);
+    EXPECT_EQ(w.exact_end, blocks);
+  }
+  if (w.next_partial >= 0) {
+    // All of the next head's blocks come before its pages.
+    EXPECT_EQ(w.end, it.num_pages);
+    if (blocks > 0) {
+      EXPECT_TRUE(has_exact);
+      EXPECT_EQ(w.exact_head, w.kv_head + 1);
+      EXPECT_EQ(w.exact_end, blocks);
+    }
+  }
+  if (has_exact) EXPECT_LE(w.exact_end, blocks);
+}
 
 void CheckPlan(const Case& c) {
   const int n = static_cast<int>(c.items.size()), H = c.kv_heads;
   const UnitSizes sizes =
-      SizeAttendUnits(c.items.data(), n, H, c.capacity, c.fold, c.exact_first);
+      SizeAttendUnits(c.items.data(), n, H, c.capacity, c.fold, c.exact_first, c.flat_cut);
   EXPECT_EQ(sizes.exact_page_cost,
             sizes.fold_exact && c.exact_first ? kFoldedExactPageCost : 0);
+  if (!c.flat_cut) EXPECT_FALSE(sizes.flat);
   std::vector<WorkUnit> work(sizes.num_work());
-  std::vector<ItemPlan> plans(n);
-  FillAttendUnits(sizes, c.items.data(), n, H, work.data(), plans.data());
+  std::vector<HeadPartials> heads(size_t(n) * H);
+  FillAttendUnits(sizes, c.items.data(), n, H, work.data(), heads.data());
 
   long pages = 0, exact = 0, item_heads_with_pages = 0;
   for (const AttendItem& it : c.items) {
@@ -53,8 +100,17 @@ void CheckPlan(const Case& c) {
   // each partial index in [0, sizes.partials) written by exactly one part.
   std::set<std::tuple<int, int, int>> seen_pages, seen_exact;
   std::set<int> seen_partials;
+  std::vector<HeadSets> written(size_t(n) * H);
+  std::vector<int> unit_of_head(size_t(n) * H, 0);  // per-head cuts: units seen so far
   bool exact_phase = true;
   long exact_only = 0, with_history = 0;
+  auto add_pages = [&](int item, int head, int begin, int end) {
+    EXPECT_LT(begin, end);
+    EXPECT_LE(end, c.items[item].num_pages);
+    for (int pg = begin; pg < end; ++pg) {
+      EXPECT_TRUE(seen_pages.insert({item, head, pg}).second);
+    }
+  };
   for (size_t u = 0; u < work.size(); ++u) {
     const WorkUnit& w = work[u];
     ASSERT_GE(w.item, 0);
@@ -63,50 +119,70 @@ void CheckPlan(const Case& c) {
     ASSERT_LT(w.kv_head, H);
     const bool has_history = w.partial >= 0, has_exact = w.exact_partial >= 0;
     EXPECT_TRUE(has_history || has_exact) << "unit " << u << " has nothing to do";
-    if (has_history) exact_phase = false;
-    EXPECT_TRUE(has_history || exact_phase) << "exact-only units must come first";
-    exact_only += has_history ? 0 : 1;
-    with_history += has_history ? 1 : 0;
     const AttendItem& it = c.items[w.item];
-    const ItemPlan& p = plans[w.item];
+    // A flat cut's units (after the exact units) may hold exact blocks only
+    // (a heavy block weight).
+    const bool flat_unit = sizes.flat && long(u) >= sizes.exact_units;
+    if (flat_unit) EXPECT_GT(it.num_pages, 0);
+    if (has_history || flat_unit) exact_phase = false;
+    EXPECT_TRUE(has_history || flat_unit || exact_phase) << "exact-only units must come first";
+    exact_only += has_history || flat_unit ? 0 : 1;
+    with_history += has_history || flat_unit ? 1 : 0;
+    const size_t ih = size_t(w.item) * H + w.kv_head;
+    if (flat_unit) {
+      CheckFlatUnit(w, it, H, sizes.fold_exact ? it.num_exact : 0);
+    } else {
+      EXPECT_EQ(w.exact_head, w.kv_head);
+      EXPECT_EQ(w.next_partial, -1);
+    }
     if (has_exact) {
       EXPECT_LT(w.exact_begin, w.exact_end);
       EXPECT_LE(w.exact_end, it.num_exact);
-      const int per = has_history ? (it.num_exact + p.hist_splits - 1) / p.hist_splits
-                                  : static_cast<int>(sizes.exact_per_unit);
-      EXPECT_LE(w.exact_end - w.exact_begin, per);
-      EXPECT_EQ(w.exact_begin % per, 0);
-      EXPECT_EQ(w.exact_partial, p.exact_begin + w.kv_head * p.exact_splits + w.exact_begin / per);
-      EXPECT_EQ(has_history, sizes.fold_exact && it.num_pages > 0);
+      EXPECT_EQ(has_history || flat_unit, sizes.fold_exact && it.num_pages > 0);
+      if (!flat_unit) {
+        const int splits = heads[ih].hist_count;
+        const int per = has_history ? (it.num_exact + splits - 1) / splits
+                                    : static_cast<int>(sizes.exact_per_unit);
+        EXPECT_LE(w.exact_end - w.exact_begin, per);
+        EXPECT_EQ(w.exact_begin % per, 0);
+        // Per-head cuts: exact set entry e of the head is its unit e.
+        EXPECT_EQ(w.exact_partial, heads[ih].exact_first + w.exact_begin / per);
+      }
       EXPECT_TRUE(seen_partials.insert(w.exact_partial).second);
+      written[size_t(w.item) * H + w.exact_head].exact.insert(w.exact_partial);
       for (int e = w.exact_begin; e < w.exact_end; ++e) {
-        EXPECT_TRUE(seen_exact.insert({w.item, w.kv_head, e}).second);
+        EXPECT_TRUE(seen_exact.insert({w.item, w.exact_head, e}).second);
       }
     }
     if (has_history) {
-      EXPECT_LT(w.begin, w.end);
-      EXPECT_LE(w.end, it.num_pages);
-      // Unit s of its (item, kv head): ppu pages each, or FoldedPageCuts'
-      // weighted cuts when the item's exact blocks ride along.
-      const int s = w.partial - p.hist_begin - w.kv_head * p.hist_splits;
-      ASSERT_GE(s, 0);
-      ASSERT_LT(s, p.hist_splits);
-      const bool weighted = sizes.fold_exact && it.num_exact > 0 && sizes.exact_page_cost > 0;
-      if (!weighted) {
-        EXPECT_LE(w.end - w.begin, sizes.pages_per_unit);
-        EXPECT_EQ(w.begin, s * sizes.pages_per_unit);
-      } else {
-        std::vector<long> cuts;
-        FoldedPageCuts(it.num_pages, p.hist_splits, sizes.pages_per_unit, it.num_exact,
-                       FoldedExactPerUnit(it.num_exact, p.hist_splits), sizes.exact_page_cost,
-                       &cuts);
-        EXPECT_EQ(w.begin, cuts[s]);
-        EXPECT_EQ(w.end, cuts[s + 1]);
+      if (!flat_unit) {
+        // Unit s of its (item, kv head): ppu pages each, or FoldedPageCuts'
+        // weighted cuts when the item's exact blocks ride along; history
+        // set entry s of the head.
+        const int s = unit_of_head[ih]++;
+        const int splits = heads[ih].hist_count;
+        ASSERT_LT(s, splits);
+        EXPECT_EQ(w.partial, heads[ih].hist_first + s);
+        const bool weighted = sizes.fold_exact && it.num_exact > 0 && sizes.exact_page_cost > 0;
+        if (!weighted) {
+          EXPECT_LE(w.end - w.begin, sizes.pages_per_unit);
+          EXPECT_EQ(w.begin, s * sizes.pages_per_unit);
+        } else {
+          std::vector<long> cuts;
+          FoldedPageCuts(it.num_pages, splits, sizes.pages_per_unit, it.num_exact,
+                         FoldedExactPerUnit(it.num_exact, splits), sizes.exact_page_cost, &cuts);
+          EXPECT_EQ(w.begin, cuts[s]);
+          EXPECT_EQ(w.end, cuts[s + 1]);
+        }
       }
       EXPECT_TRUE(seen_partials.insert(w.partial).second);
-      for (int pg = w.begin; pg < w.end; ++pg) {
-        EXPECT_TRUE(seen_pages.insert({w.item, w.kv_head, pg}).second);
-      }
+      written[ih].hist.insert(w.partial);
+      add_pages(w.item, w.kv_head, w.begin, w.end);
+    }
+    if (w.next_partial >= 0) {
+      EXPECT_TRUE(seen_partials.insert(w.next_partial).second);
+      written[ih + 1].hist.insert(w.next_partial);
+      add_pages(w.item, w.kv_head + 1, 0, w.next_end);
     }
   }
   EXPECT_EQ(exact_only, sizes.exact_units);
@@ -118,6 +194,17 @@ void CheckPlan(const Case& c) {
   }
   EXPECT_EQ(static_cast<long>(seen_pages.size()), pages * H);
   EXPECT_EQ(static_cast<long>(seen_exact.size()), exact * H);
+  // What the merge reads for each (item, kv head) is exactly what its parts wrote.
+  auto range = [](int first, int count) {
+    std::set<int> r;
+    for (int k = 0; k < count; ++k) r.insert(first + k);
+    return r;
+  };
+  for (size_t ih = 0; ih < heads.size(); ++ih) {
+    SCOPED_TRACE(testing::Message() << "item " << ih / H << " kv head " << ih % H);
+    EXPECT_EQ(range(heads[ih].hist_first, heads[ih].hist_count), written[ih].hist);
+    EXPECT_EQ(range(heads[ih].exact_first, heads[ih].exact_count), written[ih].exact);
+  }
 }
 
 AttendItem Item(int pages, int exact) {
@@ -267,6 +354,7 @@ TEST(AttendSchedule, HandlesEmptyItemsSinkOnlyItemsAndTinyCapacities) {
 
 TEST(AttendSchedule, CoversRandomBatches) {
   std::mt19937 rng(5);
+  int flat_plans = 0;
   for (int trial = 0; trial < 200; ++trial) {
     Case c;
     c.kv_heads = 1 + static_cast<int>(rng() % 8);
@@ -281,7 +369,141 @@ TEST(AttendSchedule, CoversRandomBatches) {
     CheckPlan(c);
     c.fold = FoldExact::kNever;
     CheckPlan(c);
+    for (const FoldExact fold : {FoldExact::kAuto, FoldExact::kAlways, FoldExact::kNever}) {
+      c.fold = fold;
+      c.flat_cut = true;
+      CheckPlan(c);
+      flat_plans += SizeAttendUnits(c.items.data(), n, c.kv_heads, c.capacity, fold, true, true).flat;
+      c.exact_first = false;  // folded blocks without a weight: never flat
+      CheckPlan(c);
+      if (SizeAttendUnits(c.items.data(), n, c.kv_heads, c.capacity, fold, false, true)
+              .fold_exact) {
+        EXPECT_FALSE(
+            SizeAttendUnits(c.items.data(), n, c.kv_heads, c.capacity, fold, false, true).flat);
+      }
+      c.exact_first = true;
+      c.flat_cut = false;
+    }
   }
+  EXPECT_GT(flat_plans, 100) << "of 600";
+}
+
+// A unit's weight: its pages plus kFoldedExactPageCost per exact block.
+long UnitWeight(const WorkUnit& w, long cost) {
+  const long pages = (w.partial >= 0 ? w.end - w.begin : 0) + w.next_end;
+  return pages + (w.exact_partial >= 0 ? cost * (w.exact_end - w.exact_begin) : 0);
+}
+
+long HeaviestUnit(const std::vector<AttendItem>& items, int H, long capacity, bool flat) {
+  const int n = static_cast<int>(items.size());
+  const UnitSizes u = SizeAttendUnits(items.data(), n, H, capacity, FoldExact::kAuto, true, flat);
+  EXPECT_EQ(u.flat, flat);
+  std::vector<WorkUnit> work(u.num_work());
+  std::vector<HeadPartials> heads(size_t(n) * H);
+  FillAttendUnits(u, items.data(), n, H, work.data(), heads.data());
+  long heaviest = 0;
+  for (const WorkUnit& w : work) heaviest = std::max(heaviest, UnitWeight(w, u.exact_page_cost));
+  if (flat) EXPECT_EQ(u.pages_per_unit, heaviest);
+  return heaviest;
+}
+
+TEST(AttendSchedule, FlatCutsSpreadTheWeightEvenlyOverEveryUnitOfTheWave) {
+  // B=8, 64K on 528 slots (4 blocks x 132 SMs, variant 15's kernel): per
+  // (item, kv head) cuts give 8 units to each of the 64, 512 in all; a flat
+  // cut 66 per item, 528, within one exact block's weight of the even
+  // share of 64 x (2038 + 10 x 10) / 528 = 259.2.
+  const std::vector<AttendItem> b8(8, Item(2038, 10));
+  const UnitSizes per_head = SizeAttendUnits(b8.data(), 8, 8, 528);
+  EXPECT_EQ(per_head.history_units, 512);
+  const UnitSizes flat = SizeAttendUnits(b8.data(), 8, 8, 528, FoldExact::kAuto, true, true);
+  EXPECT_TRUE(flat.flat);
+  EXPECT_TRUE(flat.fold_exact);
+  EXPECT_EQ(flat.exact_units, 0);
+  EXPECT_EQ(flat.history_units, 528);
+  EXPECT_EQ(flat.flat_units, std::vector<int>(8, 66));
+  const long heaviest_flat = HeaviestUnit(b8, 8, 528, true);
+  EXPECT_LE(heaviest_flat, 260 + kFoldedExactPageCost);
+  EXPECT_LT(heaviest_flat, HeaviestUnit(b8, 8, 528, false));
+  CheckPlan({b8, 8, 528, FoldExact::kAuto, true, true});
+  // Units that end a kv head take the next one's exact blocks, and most
+  // also its first pages: 6 per item (66 units over 8 heads: the cut after
+  // unit 33 falls on head 4's first block).
+  std::vector<WorkUnit> work(flat.num_work());
+  std::vector<HeadPartials> heads(64);
+  FillAttendUnits(flat, b8.data(), 8, 8, work.data(), heads.data());
+  int crossing = 0, second_parts = 0;
+  for (const WorkUnit& w : work) {
+    crossing += w.exact_partial >= 0 && w.exact_head == w.kv_head + 1;
+    second_parts += w.next_partial >= 0;
+  }
+  EXPECT_EQ(crossing, 8 * 6);
+  EXPECT_GT(second_parts, 24);
+  // Items of different lengths get units in proportion to their weight.
+  const std::vector<AttendItem> mixed{Item(4086, 10), Item(1014, 10), Item(2038, 10)};
+  const UnitSizes m = SizeAttendUnits(mixed.data(), 3, 8, 528, FoldExact::kAuto, true, true);
+  ASSERT_TRUE(m.flat);
+  EXPECT_EQ(m.history_units, 528);
+  EXPECT_GT(m.flat_units[0], m.flat_units[2]);
+  EXPECT_GT(m.flat_units[2], m.flat_units[1]);
+  EXPECT_LE(HeaviestUnit(mixed, 8, 528, true),
+            (8 * (4086 + 1014 + 2038 + 3 * 100) + 527) / 528 + 2 * kFoldedExactPageCost);
+  CheckPlan({mixed, 8, 528, FoldExact::kAuto, true, true});
+  // B=1, 128K: one item, the whole wave.
+  const UnitSizes b1 = SizeAttendUnits(b8.data(), 1, 8, 528, FoldExact::kAuto, true, true);
+  EXPECT_EQ(b1.history_units, 528);
+  CheckPlan({{Item(4086, 10)}, 8, 528, FoldExact::kAuto, true, true});
+  // Too few slots for a unit per kv head: per-head cuts.
+  const std::vector<AttendItem> many(64, Item(2038, 10));
+  EXPECT_FALSE(SizeAttendUnits(many.data(), 64, 8, 396, FoldExact::kAuto, true, true).flat);
+  CheckPlan({many, 8, 396, FoldExact::kAuto, true, true});
+}
+
+TEST(AttendSchedule, FlatCutsCrossKvHeadsAtBlockAndPageBoundaries) {
+  // Two kv heads of one exact block (weight 1) and 5 pages: 12 in all, 3
+  // units of 4. Unit 1 ends head 0's pages, takes head 1's block and its
+  // first page.
+  std::vector<FlatUnit> cut;
+  ASSERT_TRUE(FlatCuts(5, 1, 1, 2, 3, &cut));
+  ASSERT_EQ(cut.size(), 3u);
+  auto same = [](const FlatUnit& a, const FlatUnit& b) {
+    return std::tie(a.head, a.begin, a.end, a.exact_head, a.exact_begin, a.exact_end, a.next_end,
+                    a.weight) == std::tie(b.head, b.begin, b.end, b.exact_head, b.exact_begin,
+                                          b.exact_end, b.next_end, b.weight);
+  };
+  auto unit = [](int head, int begin, int end, int exact_head, int eb, int ee, int next_end,
+                 long weight) {
+    FlatUnit f;
+    f.head = head;
+    f.begin = begin;
+    f.end = end;
+    f.exact_head = exact_head;
+    f.exact_begin = eb;
+    f.exact_end = ee;
+    f.next_end = next_end;
+    f.weight = weight;
+    return f;
+  };
+  EXPECT_TRUE(same(cut[0], unit(0, 0, 3, 0, 0, 1, 0, 4)));
+  EXPECT_TRUE(same(cut[1], unit(0, 3, 5, 1, 0, 1, 1, 4)));
+  EXPECT_TRUE(same(cut[2], unit(1, 1, 5, 1, 0, 0, 0, 4)));
+  // Blocks of weight 2 and 4 pages: the second cut lands on head 1's block
+  // boundary, so unit 1 ends with that block and has no second part.
+  ASSERT_TRUE(FlatCuts(4, 1, 2, 2, 3, &cut));
+  EXPECT_TRUE(same(cut[0], unit(0, 0, 2, 0, 0, 1, 0, 4)));
+  EXPECT_TRUE(same(cut[1], unit(0, 2, 4, 1, 0, 1, 0, 4)));
+  EXPECT_TRUE(same(cut[2], unit(1, 0, 4, 1, 0, 0, 0, 4)));
+  // One unit for two heads, or units that would take two heads' blocks: refused.
+  EXPECT_FALSE(FlatCuts(5, 1, 1, 2, 1, &cut));
+  EXPECT_FALSE(FlatCuts(2, 3, 10, 4, 5, &cut));
+  // No exact blocks: pages only, at most one head boundary per unit.
+  ASSERT_TRUE(FlatCuts(100, 0, 0, 8, 11, &cut));
+  ASSERT_EQ(cut.size(), 11u);
+  long pages = 0;
+  for (const FlatUnit& f : cut) {
+    pages += (f.end - f.begin) + f.next_end;
+    EXPECT_NEAR(double(f.weight), 800.0 / 11, 1.0);
+  }
+  EXPECT_EQ(pages, 800);
 }
 
 // The cluster kernel's units: K clusters of NB per (item, kv head) in order,

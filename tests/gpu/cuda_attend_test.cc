@@ -408,6 +408,52 @@ TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReferen
   }
 }
 
+// Variant 19: the history cut flat, so that units span two kv heads (the
+// exact blocks of the next one, then its first pages as a second part).
+// Batches of several lengths with the exact blocks on the history units
+// (the default from kFoldPagesPerUnit pages per unit; forced) and in exact
+// units of their own (never folded), next to items with no history; the
+// plan must be flat, and the results those of the fp64 reference.
+TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  struct Restore {
+    Backend* shared;
+    ~Restore() { gpu = shared; }
+  } restore{gpu};
+  for (const char* fold : {"0", "1", "2"}) {
+    setenv("OSCARKV_CUDA_ATTEND_VARIANT", "19", 1);
+    setenv("OSCARKV_CUDA_ATTEND_FOLD", fold, 1);
+    auto flat = CreateCudaBackend(0);
+    unsetenv("OSCARKV_CUDA_ATTEND_FOLD");
+    unsetenv("OSCARKV_CUDA_ATTEND_VARIANT");
+    ASSERT_TRUE(flat.ok()) << flat.status();
+    gpu = flat->get();
+    const Config cf{128, 4, 128, 8, 64, 256, 32, false, {9000, 300, 2000, 100, 30000}};
+    bool planned_flat = false;
+    int ran = -1;
+    auto plan = [&](const AttendBatch& batch) {
+      auto launcher = AttendLauncher::Create(0);
+      ASSERT_TRUE(launcher.ok()) << launcher.status();
+      (*launcher)->set_variant(AttendLauncher::kFlatCutVariant);
+      (*launcher)->set_fold_exact(cuda_attend::FoldExactFromNumber(std::atoi(fold)));
+      ASSERT_TRUE((*launcher)->Prepare(batch, nullptr).ok());
+      ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+      planned_flat = (*launcher)->schedule().flat_cut;
+      ran = (*launcher)->schedule().variant;
+    };
+    const Errors e = RunConfig(cf, 123 + fold[0], 2, plan);
+    gpu = restore.shared;
+    EXPECT_TRUE(planned_flat) << "fold " << fold;
+    EXPECT_EQ(ran, AttendLauncher::kFlatCutVariant);
+    std::printf("flat cut (fold %s): rel err gpu/ref %.2e cpu/ref %.2e gpu/cpu %.2e, "
+                "lse gpu/ref %.2e\n",
+                fold, e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.lse_gpu_ref);
+    EXPECT_LT(e.gpu_ref, OutTol(cf.dim, cf.group, cf.gqa));
+    EXPECT_LT(e.gpu_cpu, OutTol(cf.dim, cf.group, cf.gqa));
+    EXPECT_LT(e.lse_gpu_ref, kLseTol);
+  }
+}
+
 // Variant 18 (auto, the default) runs 15 from kHeavyTokenHeadsPerSm history
 // (token, kv head) pairs per SM, else 14; every other variant runs itself.
 // Needs no device: the choice is the host's.
@@ -423,7 +469,9 @@ TEST(CudaAttendVariant, AutoRunsFifteenFromTheHeavyThresholdElseFourteen) {
   EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, (131072L - 320) * 8, 132), 15);  // B1 128K
   EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, 8 * (32768L - 320) * 8, 132), 15);  // B8 32K
   EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, kPerSm, 0), 15);  // no SM count: one
-  for (int v = 0; v < kAuto; ++v) EXPECT_EQ(AttendLauncher::ResolveVariant(v, 1L << 40, 132), v);
+  for (int v = 0; v < AttendLauncher::kNumVariants; ++v) {
+    if (v != kAuto) EXPECT_EQ(AttendLauncher::ResolveVariant(v, 1L << 40, 132), v);
+  }
   // 14 and 15 share their shapes and their 16-bit P', so auto's tolerance is theirs.
   for (int gqa : {1, 4, 8}) {
     for (int group : {32, 128}) {

@@ -645,9 +645,12 @@ int Main(int argc, char** argv) {
       std::printf("one cluster kernel: %d blocks, %d clusters of %d per kv head\n",
                   sched.history_units, sched.clusters_per_head, sched.cluster_blocks);
     } else {
-      std::printf("units: %d exact + %d history (%d pages each), %d partials; ran v%d, "
+      std::printf("units: %d exact + %d history (%d pages each%s), %d partials; ran v%d, "
                   "merge slices of %d dims\n",
-                  sched.exact_units, sched.history_units, sched.pages_per_unit, sched.partials,
+                  sched.exact_units, sched.history_units, sched.pages_per_unit,
+                  sched.flat_cut ? " at most, exact blocks counted as pages, cut flat over the kv heads"
+                                 : "",
+                  sched.partials,
                   sched.variant, sched.merge_slice);
     }
     for (const CallTimes* ct : {&unnamed, &named}) {
@@ -673,6 +676,7 @@ int Main(int argc, char** argv) {
                     {"bytes", bytes}, {"gbs", gbs}, {"pct_copy", 100.0 * gbs / copy_gbs},
                     {"history_units", sc.history_units}, {"exact_units", sc.exact_units},
                     {"pages_per_unit", sc.pages_per_unit}, {"ran_variant", sc.variant},
+                    {"flat_cut", sc.flat_cut},
                     {"nonfinite", bad},
                     {"gpu_us", gpu_us}, {"sdpa_gpu_us", sdpa_gpu},
                     {"prep_us", stage_us[0]}, {"prep_split_us", stage_us[1]}});

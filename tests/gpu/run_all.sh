@@ -18,11 +18,11 @@
 # it over calls (SKIP_SANITIZER=1 SKIP_BENCH=1 leaves the tests).
 #
 # Environment: QUICK=1 runs the default variant's attention tests in full,
-# variants 0, 2, 3, 6, 8 and 10-17 on D = 128 only (not 1, 4 and 7)
+# variants 0, 2, 3, 6, 8, 10-17 and 19 on D = 128 only (not 1, 4 and 7)
 # and without the heavy folded test (60 s each; the default runs it), the
 # benchmark before the sanitizer, and a smaller sanitizer set, 50 s at most
 # each (memcheck, racecheck and initcheck of the attention, memcheck of
-# variant 15, synccheck of variants 10's and 16's stage rings, racecheck
+# variants 15 and 19, synccheck of variants 10's and 16's stage rings, racecheck
 # of 16's, memcheck of the codec, racecheck and synccheck of its roles
 # kernel; the sanitizers never run the heavy test). With the heavy test in
 # every variant run it took more than 10 min on the H200 (2026-12-01), the
@@ -98,9 +98,10 @@ variant_run 0 "$(vfilter)" 20 'FAILED|Failure'
 # until 2026-12-01), with the short chunk chain (12), with 12's loads after
 # the chunk before is first used (13), with the loads after the first tile
 # (14), 14 at 4 blocks/SM (15), 12's warp fed by 10's stage ring (16), 16 at
-# 4 blocks/SM (17): differ from the others for D = 128, g <= 4 only (6-8 and
-# 10-17 for G = D only).
-for v in 3 6 8 10 11 12 13 14 15 16 17 $([ "$quick" = 1 ] || echo 4 7); do
+# 4 blocks/SM (17), 15 with the history cut flat over the kv heads (19):
+# differ from the others for D = 128, g <= 4 only (6-8, 10-17 and 19 for G =
+# D only).
+for v in 3 6 8 10 11 12 13 14 15 16 17 19 $([ "$quick" = 1 ] || echo 4 7); do
   variant_run $v "*D128_g1*:*D128_g2*:*D128_g4*:CudaAttendDefaults.*$(heavy_off)" 20
 done
 
@@ -121,6 +122,9 @@ if [ "$quick" = 1 ] && [ "${SKIP_SANITIZER:-0}" != 1 ] && command -v compute-san
     "$bundle/bin/cuda_attend_test" --gtest_filter='*D128_g4_groups1'
   run sanitizer_memcheck_attend_v15 env OSCARKV_CUDA_ATTEND_VARIANT=15 $cs --tool memcheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" --gtest_filter="*D128_g4_groups1:CudaAttendDefaults.*$no_heavy"
+  run sanitizer_memcheck_attend_v19 env OSCARKV_CUDA_ATTEND_VARIANT=19 $cs --tool memcheck \
+    --error-exitcode 9 "$bundle/bin/cuda_attend_test" \
+    --gtest_filter="*D128_g4_groups1:CudaAttendVariant.FlatCut*"
   run sanitizer_synccheck_ring env OSCARKV_CUDA_ATTEND_VARIANT=10 $cs --tool synccheck \
     --error-exitcode 9 "$bundle/bin/cuda_attend_test" \
     --gtest_filter='*D128_g4_groups1:CudaAttendDefaults.Long*'
