@@ -90,8 +90,10 @@ class AttendLauncher {
   absl::Status Launch(cudaStream_t stream) const;
 
   // Once `stream` has run the last launch, writes its outputs to the items'
-  // host out and lse (`batch` is the one given to the last Prepare).
-  void CopyResults(const AttendBatch& batch) const;
+  // host out and lse (`batch` is the one given to the last Prepare). With
+  // the outputs in device memory (set_results_in_device_memory) it copies
+  // them down first.
+  absl::Status CopyResults(const AttendBatch& batch) const;
 
   const AttendSchedule& schedule() const { return schedule_; }
 
@@ -212,6 +214,14 @@ class AttendLauncher {
   // Takes effect at the next Prepare().
   void set_launch_stages(int stages) { stages_ = stages; }
 
+  // Where the merge kernel writes the outputs: to mapped pinned host memory,
+  // over the bus (the default: the service's results go to the host, and a
+  // download copy costs a round trip), or, for benchmarks, to device memory
+  // (the kernels' time without the bus writes, like a BF16 attention whose
+  // output stays on the device; CopyResults then copies them down). Takes
+  // effect at the next Prepare().
+  void set_results_in_device_memory(bool on) { results_in_device_memory_ = on; }
+
   // Where the exact (BF16) blocks run (cuda_attend::FoldExact and
   // SizeAttendUnits; kAuto is the default). For tests and benchmarks; the
   // environment variable OSCARKV_CUDA_ATTEND_FOLD (0 auto, 1 always, 2 never)
@@ -265,6 +275,7 @@ class AttendLauncher {
   cuda_attend::FoldExact fold_exact_ = cuda_attend::FoldExact::kAuto;
   int ablate_ = 0;
   bool trace_ = false;
+  bool results_in_device_memory_ = false;
   int stages_ = 3;
   // Pinned staging of the upload; the workspace (device): the uploaded region,
   // then device-only scratch (query fragments, partials, cluster counts,

@@ -37,6 +37,10 @@ struct AttendLauncher::Prepared {
   // workspace; args.trace[k] is null for a kernel without rows); all 0 when
   // off.
   size_t trace_blocks[cuda_attend::kTraceKernels] = {};
+  // set_results_in_device_memory: where the outputs are (else null), and
+  // their size.
+  const float* device_results = nullptr;
+  size_t results_bytes = 0;
 };
 
 namespace {
@@ -250,7 +254,10 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
   const size_t off_part =
       AlignUp(off_qmeta + size_t(n) * b.num_q_heads * cuda_attend::kQueryMetaFloats * 4);
-  const size_t off_counts = AlignUp(off_part + size_t(partial_floats) * 4);
+  // set_results_in_device_memory: the outputs in the workspace instead.
+  const size_t off_results = AlignUp(off_part + size_t(partial_floats) * 4);
+  const size_t device_results_bytes = results_in_device_memory_ ? results_bytes : 0;
+  const size_t off_counts = AlignUp(off_results + device_results_bytes);
   const size_t counts_bytes =
       shape.cluster_blocks > 0 && clusters_per_head > 1 ? sizeof(unsigned) * n * H : 0;
   // set_trace: one row per block of each kernel (none for the cluster kernel).
@@ -279,7 +286,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   auto* queries = reinterpret_cast<float*>(host + off_q);
   auto* updates = reinterpret_cast<const uint8_t**>(host + off_updates);
   auto* dev_queries = reinterpret_cast<float*>(dev + off_q);
-  auto* dev_results = static_cast<float*>(results_dev_);
+  auto* dev_results = results_in_device_memory_ ? reinterpret_cast<float*>(dev + off_results)
+                                                : static_cast<float*>(results_dev_);
 
   // Misaligned, or null: 0 - 1 wraps to the top bit (which no user-space
   // or device address has).
@@ -425,6 +433,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     trace_rows += trace_blocks[k] * cuda_attend::kTraceMarks;
   }
   prepared_->shape = shape;
+  prepared_->device_results = results_in_device_memory_ ? dev_results : nullptr;
+  prepared_->results_bytes = results_bytes;
   prepared_->valid = true;
 
   schedule_.num_items = n;
@@ -541,8 +551,14 @@ absl::StatusOr<AttendTrace> AttendLauncher::TakeTrace(cudaStream_t stream) {
   return t;
 }
 
-void AttendLauncher::CopyResults(const AttendBatch& b) const {
-  if (!prepared_->valid) return;
+absl::Status AttendLauncher::CopyResults(const AttendBatch& b) const {
+  if (!prepared_->valid) {
+    return absl::FailedPreconditionError("attention results without a successful Prepare");
+  }
+  if (prepared_->device_results != nullptr) {
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemcpy(results_, prepared_->device_results,
+                                            prepared_->results_bytes, cudaMemcpyDeviceToHost));
+  }
   const size_t q_floats = size_t(b.num_q_heads) * b.geom.head_dim;
   const size_t result_floats = q_floats + b.num_q_heads;
   const auto* results = static_cast<const float*>(results_);
@@ -552,6 +568,7 @@ void AttendLauncher::CopyResults(const AttendBatch& b) const {
     std::memcpy(it.out, r, q_floats * sizeof(float));
     if (it.lse != nullptr) std::memcpy(it.lse, r + q_floats, b.num_q_heads * sizeof(float));
   }
+  return absl::OkStatus();
 }
 
 }  // namespace oscarkv

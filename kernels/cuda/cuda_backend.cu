@@ -279,8 +279,7 @@ class CudaBackend final : public Backend {
     OSCARKV_RETURN_IF_ERROR(launcher_->Prepare(batch, stream_));
     OSCARKV_RETURN_IF_ERROR(launcher_->Launch(stream_));
     OSCARKV_RETURN_IF_ERROR(CudaStatus(cudaStreamSynchronize(stream_), "Attend"));
-    launcher_->CopyResults(batch);
-    return absl::OkStatus();
+    return launcher_->CopyResults(batch);
   }
 
  private:

@@ -648,7 +648,7 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
     if (st.ok()) st = L.Launch(stream);
     EXPECT_TRUE(st.ok()) << what << ": " << st;
     EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    L.CopyResults(batch);
+    EXPECT_TRUE(L.CopyResults(batch).ok());
     int bad = 0;
     for (int e = 0; e < n * Hq * D && bad < 5; ++e) {
       if (!(std::fabs(out_gpu[e] - out_cpu[e]) <= tol * (1.0f + std::fabs(out_cpu[e])))) {
@@ -825,7 +825,8 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
       std::fill(lse.begin(), lse.end(), kNaN);
       launch();
       EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      L.CopyResults(batch);
+      const absl::Status copied = L.CopyResults(batch);
+      EXPECT_TRUE(copied.ok()) << copied;
       std::vector<float> r = out;
       r.insert(r.end(), lse.begin(), lse.end());
       return r;
@@ -905,6 +906,15 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
         for (unsigned long long x : again->rows[k]) ASSERT_EQ(x, 0u) << "kernel " << k;
       }
       L.set_trace(false);
+      run(prepare_and_launch);
+    }
+    {
+      // The outputs written to device memory and copied down by CopyResults
+      // (set_results_in_device_memory, for benchmarks): the same bits.
+      L.set_results_in_device_memory(true);
+      const std::vector<float> on_device = run(prepare_and_launch);
+      EXPECT_EQ(0, std::memcmp(on_device.data(), first.data(), first.size() * 4));
+      L.set_results_in_device_memory(false);
       run(prepare_and_launch);
     }
     // Replays (directly, then as a CUDA graph) after the pages' contents
