@@ -25,7 +25,7 @@
 // chunk: 1.2e-6 relative error vs fp64 (Qwen3 shape, H200, 2026-11-29;
 // HistoryWarp's bf16 hi + lo P': 2.2e-6).
 //
-// kDigits = 2 (variants 8-17; 14 is the default): P' in 16-bit fixed point of S = the
+// kDigits = 2 (variants 8-17 and 19; 14 and 15 run by default): P' in 16-bit fixed point of S = the
 // chunk's exact max P' per head (one more 3-step max reduction, after the
 // exponentials), one MMA per 16 dims, about a third fewer instructions in
 // P·V. Each term is kept to 2^-17 of the chunk's largest (fp16's precision

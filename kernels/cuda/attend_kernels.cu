@@ -177,6 +177,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       if (has_history) next_part();
     }
   } else if (has_history && has_exact) {
+    // (The blocks of wu.kv_head: a flat cut folds none onto a kernel that
+    // runs them after the pages, CutFlat.)
     PrefetchExactRowsL2<D>(a, wu);
   }
   // A history part: pages [begin, end) of kv head `kv_head` into `partial`.
@@ -366,15 +368,19 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // (18, auto, is resolved to 14 or 15 by Prepare.)
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
+// Variants from `first` on (auto, which Prepare resolves first, not among them).
+inline bool VariantFrom(int variant, int first) {
+  return variant >= first && variant <= kLastVariant && variant != AttendLauncher::kAutoVariant;
+}
 inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
-  return variant >= 6 && variant <= kLastVariant && head_dim == 128 && groups == 1 && !g8;
+  return VariantFrom(variant, 6) && head_dim == 128 && groups == 1 && !g8;
 }
 inline bool UsesIntQk(int variant, int head_dim, bool g8) {
-  return (variant >= 3 && variant <= kLastVariant) && head_dim == 128 && !g8;
+  return VariantFrom(variant, 3) && head_dim == 128 && !g8;
 }
 
 // The split kernels of 16-bit P' on the integer tensor cores with the
-// exact blocks first or after the pages (variants 8 and 12-17): kMinBlocks
+// exact blocks first or after the pages (variants 8, 12-17 and 19): kMinBlocks
 // blocks per SM, kStages ring stages (0: the register double buffer),
 // kShortChain and kLoadOrder as SplitKernel's.
 template <int D, int NG, bool G8, int kMinBlocks, int kStages, bool kShortChain, int kLoadOrder,
@@ -391,7 +397,7 @@ auto IntPv16Kernel(bool exact_first) {
 inline bool UsesStageRing(int variant) { return variant == 10 || variant == 16 || variant == 17; }
 
 // exact_first: the plan folds the exact blocks onto the history units;
-// variants 8 and 12-17 then run their exact-first kernels (the others run
+// variants 8, 12-17 and 19 then run their exact-first kernels (the others run
 // the exact blocks after the pages; HasExactFirstKernel asks this function).
 template <int D, int NG, bool G8>
 auto SplitKernelFor(int variant, bool exact_first) {
@@ -417,7 +423,7 @@ auto SplitKernelFor(int variant, bool exact_first) {
     if (variant == 10) return &SplitKernel<D, NG, G8, 3, true, false, false, 2, kRingStages>;
   }
   if constexpr (D == 128 && !G8) {
-    if (variant == 3 || (variant >= 6 && variant <= kLastVariant)) {
+    if (variant == 3 || VariantFrom(variant, 6)) {
       return &SplitKernel<D, NG, G8, 3, true, false, true>;
     }
     // 5 = 3 held to 4 blocks per SM (at most 128 registers): more warps to hide latency.

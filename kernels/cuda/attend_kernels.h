@@ -52,7 +52,12 @@ struct AttendSchedule {
   // The split-kernel variant that ran (variant 18 resolves to 14 or 15).
   int variant = 0;
   int merge_slice = 32;  // output dims per merge block (32 or 64)
-  bool flat_cut = false;  // units cut over all kv heads of an item (variant 19)
+  // Variant 19: some items' history cut flat over their kv heads; units
+  // with a second history part (the next kv head's first pages), and units
+  // with the next kv head's exact blocks.
+  bool flat_cut = false;
+  int second_parts = 0;
+  int next_head_exact = 0;
 };
 
 // For benchmarks: the per-block timeline of one call's kernels
@@ -114,7 +119,7 @@ class AttendLauncher {
   //       default until 2026-12-01, 5-7 % faster than 6 at 64K-128K tokens
   //       and at B8, ~1 % at 8K-32K; when the plan folds the exact blocks
   //       onto the history units (set_fold_exact), its kernel runs them
-  //       before the pages (so do 12-17's);
+  //       before the pages (so do 12-17's and 19's);
   //   9 = 8 held to 128 registers (4 blocks/SM, 16 bytes of spills): 2-4 %
   //       faster than 8 at B1 128K and B8 64K, 9 % slower at 8K and 16 %
   //       at B8 32K (2026-11-30, run 14); kept for measurement;
@@ -195,7 +200,7 @@ class AttendLauncher {
 
   // Whether a batch of this shape runs, under `variant`, the history path
   // that keeps P·V's probabilities in 16-bit fixed point of each chunk's max
-  // (variants 8-17 for D = 128, G = D, at most 4 query heads per kv head): output
+  // (variants 8-17 and 19 for D = 128, G = D, at most 4 query heads per kv head): output
   // errors up to ~5e-4 of the output's scale, against ~1e-6 for the other
   // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
   static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);
@@ -222,6 +227,13 @@ class AttendLauncher {
   // effect at the next Prepare().
   void set_results_in_device_memory(bool on) { results_in_device_memory_ = on; }
 
+  // For tests: plan for this many resident split blocks (units in one
+  // wave) instead of the device's (0, the default), so that small batches
+  // get the long units of large ones. The environment variable
+  // OSCARKV_CUDA_ATTEND_WAVE_UNITS sets the initial value. Takes effect at
+  // the next Prepare().
+  void set_wave_units(long units) { wave_units_ = units; }
+
   // Where the exact (BF16) blocks run (cuda_attend::FoldExact and
   // SizeAttendUnits; kAuto is the default). For tests and benchmarks; the
   // environment variable OSCARKV_CUDA_ATTEND_FOLD (0 auto, 1 always, 2 never)
@@ -231,7 +243,7 @@ class AttendLauncher {
   // For benchmarks only, results are wrong: parts of the history loop of
   // variants 0, 3, 5-8 and 11 (D <= 128) to skip, to time the rest in place
   // (bit 1: q·K, bit 2: softmax and P·V, bit 4: the loads after the first
-  // two chunks). Variants 12-15 with bits set run 12's loop order (the
+  // two chunks). Variants 12-15 and 19 with bits set run 12's loop order (the
   // load orders of 13-15 are their service loops only); 16 and 17 ignore
   // them.
   // Takes effect at the next Prepare().
@@ -276,6 +288,7 @@ class AttendLauncher {
   int ablate_ = 0;
   bool trace_ = false;
   bool results_in_device_memory_ = false;
+  long wave_units_ = 0;
   int stages_ = 3;
   // Pinned staging of the upload; the workspace (device): the uploaded region,
   // then device-only scratch (query fragments, partials, cluster counts,

@@ -27,10 +27,8 @@ struct LaunchShape {
   // the grid of 32-dim blocks would not be resident at once.
   int merge_slice = 32;
   // The plan folds the exact blocks onto the history units (UnitSizes::
-  // fold_exact): variants 8 and 12-17 then run their exact-first kernels.
+  // fold_exact): variants 8, 12-17 and 19 then run their exact-first kernels.
   bool exact_first = false;
-  // The plan cuts the history flat (UnitSizes::flat): units of two kv heads.
-  bool flat_cut = false;
   // > 0: one cluster kernel (attend_cluster.cuh) with clusters of this many
   // blocks instead of the three kernels.
   int cluster_blocks = 0;

@@ -63,6 +63,7 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_FOLD")) {
     l->fold_exact_ = cuda_attend::FoldExactFromNumber(std::atoi(v));
   }
+  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_WAVE_UNITS")) l->wave_units_ = std::atol(v);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
   return l;
 }
@@ -192,12 +193,12 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       OSCARKV_ASSIGN_OR_RETURN(const int blocks, cuda_attend::SplitBlocksPerSm(shape));
       known = split_blocks_per_sm_.emplace(kernel_key, blocks).first;
     }
-    const long capacity = std::max<long>(1, long(known->second) * num_sms_);
+    const long capacity =
+        wave_units_ > 0 ? wave_units_ : std::max<long>(1, long(known->second) * num_sms_);
     OSCARKV_ASSIGN_OR_RETURN(const bool exact_first, cuda_attend::HasExactFirstKernel(shape));
     sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first,
                                          cuda_attend::HasTwoHeadKernel(shape));
     shape.exact_first = sizes.fold_exact && exact_first;
-    shape.flat_cut = sizes.flat;
   }
   const long num_work = sizes.num_work();
   // The merge kernel addresses the partials with 32-bit float offsets.
@@ -230,12 +231,14 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     }
   }
 
-  // Layout: [items][page table][exact blocks][work][head partials][queries] (uploaded from
-  // the staging buffer), then [qfrag][qmeta][partials][cluster counts]
-  // [trace] (device only).
+  // Layout: [items][page table][exact blocks][work][head partials][queries]
+  // (uploaded from the staging buffer), then [qfrag][qmeta][partials]
+  // [results, with set_results_in_device_memory][cluster counts][trace]
+  // (device only).
   // The outputs, [item][Hq * D + Hq] floats (out, then lse), go to the mapped
   // pinned results buffer, written by the merge kernel over the bus (a few
-  // KB per item: cheaper than a download copy's round trip).
+  // KB per item: cheaper than a download copy's round trip), or to the
+  // workspace's results.
   const int nt = g > 4 ? 2 : 1;
   const size_t q_floats = size_t(b.num_q_heads) * D;
   const size_t result_floats = q_floats + b.num_q_heads;  // out, then lse
@@ -356,10 +359,13 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   } else {
     cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, heads);
   }
+  int second_parts = 0, next_head_exact = 0;
   for (long u = 0; u < num_work; ++u) {
     WorkUnit& wu = work[u];
     wu.exact = wu.exact_end > wu.exact_begin ? items[wu.item].exact + wu.exact_begin : nullptr;
     wu.first_exact = wu.exact != nullptr ? b.items[wu.item].exact[wu.exact_begin] : ExactBlockRef{};
+    second_parts += wu.next_partial >= 0;
+    next_head_exact += wu.exact != nullptr && wu.exact_head != wu.kv_head;
   }
   // The cluster kernel has no merge kernel and no head partials.
   int max_splits = 0;
@@ -448,6 +454,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.variant = shape.variant;
   schedule_.merge_slice = shape.merge_slice;
   schedule_.flat_cut = sizes.flat;
+  schedule_.second_parts = second_parts;
+  schedule_.next_head_exact = next_head_exact;
   schedule_.cluster_blocks = shape.cluster_blocks;
   return absl::OkStatus();
 }

@@ -3,6 +3,9 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <functional>
+#include <queue>
+#include <utility>
 #include <vector>
 
 #include "absl/strings/str_cat.h"
@@ -212,56 +215,108 @@ bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<Fl
 namespace {
 
 // The flat cut of a batch (SizeAttendUnits' flat_cut) on the wave share
-// `target`, from per-head sizes `u`: units per item in proportion to its
-// weight, the remainder one by one to the item with the heaviest units.
-// False (u unchanged) when some item's cut would not fit FlatUnit.
+// `target`, from per-head sizes `u`. Items whose share of the wave (in
+// proportion to their weight) is below one unit per kv head take one unit
+// per kv head, cut per head (they are light: the flat units weigh more); the
+// others share the rest in proportion to their weight, at least one unit per
+// kv head each, the remainder to the items with the heaviest units; each is
+// cut flat, or per head when its flat cut would not fit FlatUnit (few pages
+// for many exact blocks). False (u unchanged) when no item is cut flat.
 bool CutFlat(const AttendItem* items, int n, int H, long target, UnitSizes* u) {
   // Folded blocks need a weight to be cut with the pages (the kernels that
   // run them after the pages have none, and no flat cut).
   if (u->fold_exact && u->exact_page_cost <= 0) return false;
   const long cost = u->fold_exact ? u->exact_page_cost : 0;
+  auto blocks_of = [&](int i) { return u->fold_exact ? items[i].num_exact : 0; };
   std::vector<double> weight(n, 0.0);
-  double total = 0;
   for (int i = 0; i < n; ++i) {
-    if (items[i].num_pages <= 0) continue;
-    const long e = u->fold_exact ? items[i].num_exact : 0;
-    weight[i] = double(H) * double(items[i].num_pages + cost * e);
-    total += weight[i];
+    if (items[i].num_pages > 0) weight[i] = double(H) * double(items[i].num_pages + cost * blocks_of(i));
   }
-  if (total <= 0) return false;
+  // Items cut per head (one split per kv head unless set below), by units
+  // per kv head; 0: cut flat.
+  std::vector<long> head_splits(n, 0);
   std::vector<int> units(n, 0);
-  long assigned = 0;
-  for (int i = 0; i < n; ++i) {
-    if (weight[i] <= 0) continue;
-    units[i] = std::max(1, static_cast<int>(double(target) * weight[i] / total));
-    assigned += units[i];
-  }
-  for (; assigned < target; ++assigned) {
-    int best = -1;
+  // Light items first: taking one out only makes the others' shares
+  // smaller, so this ends.
+  long share = target;
+  for (bool changed = true; changed;) {
+    changed = false;
+    double rest = 0;
+    for (int i = 0; i < n; ++i) rest += head_splits[i] == 0 ? weight[i] : 0.0;
+    const long share_before = share;
     for (int i = 0; i < n; ++i) {
-      if (weight[i] > 0 && (best < 0 || weight[i] / units[i] > weight[best] / units[best])) best = i;
+      if (weight[i] <= 0 || head_splits[i] > 0) continue;
+      if (double(share_before) * weight[i] < double(H) * rest) {
+        head_splits[i] = 1;
+        share -= H;
+        changed = true;
+      }
     }
-    ++units[best];
+  }
+  // The others: floor(share x weight / rest) >= H units each (so at most
+  // `share` in all), the remainder one by one to the heaviest units.
+  double rest = 0;
+  long assigned = 0;
+  for (int i = 0; i < n; ++i) rest += head_splits[i] == 0 ? weight[i] : 0.0;
+  using Entry = std::pair<double, int>;  // (weight per unit, item)
+  std::priority_queue<Entry> heaviest_units;
+  for (int i = 0; i < n; ++i) {
+    if (weight[i] <= 0 || head_splits[i] > 0) continue;
+    // (At least H: the test above, up to rounding.)
+    units[i] = std::max(H, static_cast<int>(std::floor(double(share) * weight[i] / rest)));
+    assigned += units[i];
+    heaviest_units.push({weight[i] / units[i], i});
+  }
+  while (assigned < share && !heaviest_units.empty()) {
+    const int i = heaviest_units.top().second;
+    heaviest_units.pop();
+    ++units[i];
+    ++assigned;
+    heaviest_units.push({weight[i] / units[i], i});
   }
   long history_units = 0, partials = 0, heaviest = 0;
+  bool any_flat = false;
   std::vector<FlatUnit> cut;
+  std::vector<long> page_cuts;
+  std::vector<long> head_pages(n, 0);
   for (int i = 0; i < n; ++i) {
-    if (units[i] == 0) continue;
-    const int e = u->fold_exact ? items[i].num_exact : 0;
-    if (!FlatCuts(items[i].num_pages, e, cost, H, units[i], &cut)) return false;
-    units[i] = static_cast<int>(cut.size());
-    history_units += units[i];
-    for (const FlatUnit& f : cut) {
-      partials += (f.begin < f.end) + (f.exact_begin < f.exact_end) + (f.next_end > 0);
-      heaviest = std::max(heaviest, f.weight);
+    const long pages = items[i].num_pages;
+    if (pages <= 0) continue;
+    const int e = blocks_of(i);
+    if (head_splits[i] == 0) {
+      if (FlatCuts(pages, e, cost, H, units[i], &cut)) {
+        any_flat = true;
+        units[i] = static_cast<int>(cut.size());
+        history_units += units[i];
+        for (const FlatUnit& f : cut) {
+          partials += (f.begin < f.end) + (f.exact_begin < f.exact_end) + (f.next_end > 0);
+          heaviest = std::max(heaviest, f.weight);
+        }
+        continue;
+      }
+      head_splits[i] = std::max(1, units[i] / H);  // H x that many units at most
+      units[i] = 0;
+    }
+    // Per head: FillAttendUnits' cut with the item's pages per unit.
+    head_pages[i] = (pages + head_splits[i] - 1) / head_splits[i];
+    const int splits = static_cast<int>((pages + head_pages[i] - 1) / head_pages[i]);
+    const int per = e > 0 ? FoldedExactPerUnit(e, splits) : 0;
+    FoldedPageCuts(pages, splits, head_pages[i], e, per, cost, &page_cuts);
+    history_units += long(H) * splits;
+    partials += long(H) * (splits + FoldedExactSplits(e, splits));
+    for (int k = 0; k < splits; ++k) {
+      const BlockRange r = FoldedExactBlocks(e, per, k);
+      heaviest = std::max(heaviest, page_cuts[k + 1] - page_cuts[k] + cost * (r.end - r.begin));
     }
   }
+  if (!any_flat) return false;
   // Items whose exact blocks take exact units of their own keep them.
   u->partials = u->exact_units + partials;
   u->history_units = history_units;
   u->pages_per_unit = heaviest;
   u->flat = true;
   u->flat_units = std::move(units);
+  u->head_pages = std::move(head_pages);
   return true;
 }
 
@@ -376,7 +431,7 @@ void FillFlatUnits(const UnitSizes& sizes, const AttendItem& it, int i, int H, i
 
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int H,
                      WorkUnit* work, HeadPartials* heads) {
-  const long epu = sizes.exact_per_unit, ppu = sizes.pages_per_unit;
+  const long epu = sizes.exact_per_unit, batch_ppu = sizes.pages_per_unit;
   int partial = 0, w = 0;
   std::vector<long> cuts;  // one item's page cuts at a time
   for (int i = 0; i < n; ++i) {
@@ -398,10 +453,13 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
   }
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = items[i];
-    if (sizes.flat && it.num_pages > 0) {
+    if (sizes.flat && it.num_pages > 0 && sizes.flat_units[i] > 0) {
       FillFlatUnits(sizes, it, i, H, &partial, &w, work, heads);
       continue;
     }
+    // Per head, with the batch's pages per unit, or the item's own when the
+    // batch is cut flat.
+    const long ppu = sizes.flat ? std::max(1L, sizes.head_pages[i]) : batch_ppu;
     const int splits = it.num_pages > 0 ? static_cast<int>((it.num_pages + ppu - 1) / ppu) : 0;
     const int hist_begin = partial;
     partial += H * splits;

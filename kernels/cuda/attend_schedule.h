@@ -27,8 +27,10 @@ struct UnitSizes {
   // (the last one the rest), unless folded units are cut by weight
   // (exact_page_cost > 0, FoldedPageCuts); the count of units is the same.
   long pages_per_unit = 1;
-  long exact_units = 0;     // units with an exact part only
-  long history_units = 0;   // units with a history part
+  long exact_units = 0;     // units with an exact part only (before the others)
+  // Units with a history part (and, under a flat cut, units that may hold
+  // only the exact blocks of a history item).
+  long history_units = 0;
   // The exact blocks of items with history ride on their history units
   // instead of taking exact units of their own (see FoldExact).
   bool fold_exact = false;
@@ -36,12 +38,15 @@ struct UnitSizes {
   // are cut over its units (kFoldedExactPageCost with an exact-first kernel).
   long exact_page_cost = 0;
   long partials = 0;  // partial results the units write
-  // A flat cut (SizeAttendUnits' flat_cut, FlatCuts): each item's kv heads
+  // A flat cut (SizeAttendUnits' flat_cut, FlatCuts): item i's kv heads
   // laid end to end and cut into flat_units[i] history units of even
-  // weight, which may span two kv heads; pages_per_unit is then the largest
-  // unit's weight.
+  // weight, which may span two kv heads, or, where flat_units[i] is 0 and
+  // the item has pages, cut per kv head into units of head_pages[i] pages
+  // (weighted as FoldedPageCuts); pages_per_unit is then the heaviest
+  // unit's weight (pages + exact_page_cost per folded exact block).
   bool flat = false;
-  std::vector<int> flat_units;  // per item (0 for an item without pages)
+  std::vector<int> flat_units;   // per item
+  std::vector<long> head_pages;  // per item
   long num_work() const { return exact_units + history_units; }
 };
 
@@ -102,14 +107,17 @@ inline constexpr long kFoldPagesPerUnitExactAfter = 256;
 // their own would sit idle once done, for most of a long call: 16 % of the
 // wave at B8 64K).
 // exact_first: the split kernel of this batch's shape runs folded exact
-// blocks before the pages (kFoldPagesPerUnitExactAfter, even cuts, when it
-// does not). flat_cut (the split kernel runs units of two kv heads: variant
-// 19's): the history units are cut flat (FlatCuts) whenever every item's
-// cut fits that kernel's units, from the same folding decision, exact
-// units and share of the wave; each item gets units in proportion to its
-// weight (pages + kFoldedExactPageCost per folded exact block, over all its
-// kv heads). Per (item, kv head) cuts give B8 64K on an H200 512 units for
-// 528 slots; a flat cut gives 528 of ~3 % less weight each.
+// blocks before the pages (kFoldPagesPerUnit, weighted cuts) or after them
+// (kFoldPagesPerUnitExactAfter, even cuts). flat_cut (the split kernel
+// runs units of two kv heads: variant 19's): from the same folding
+// decision, exact units and share of the wave, the history is cut flat
+// (FlatCuts, UnitSizes::flat) when folded blocks have a weight
+// (exact_first): items get units in proportion to their weight (pages +
+// kFoldedExactPageCost per folded exact block, over all their kv heads);
+// items too light for one unit per kv head, and any whose flat cut does not
+// fit FlatUnit, are cut per head. Per (item, kv head) cuts give B8 64K on
+// an H200 512 units for 528 slots; a flat cut gives 528 of ~3 % less weight
+// each.
 UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity,
                           FoldExact fold = FoldExact::kAuto, bool exact_first = true,
                           bool flat_cut = false);

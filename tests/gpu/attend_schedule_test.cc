@@ -122,7 +122,8 @@ void CheckPlan(const Case& c) {
     const AttendItem& it = c.items[w.item];
     // A flat cut's units (after the exact units) may hold exact blocks only
     // (a heavy block weight).
-    const bool flat_unit = sizes.flat && long(u) >= sizes.exact_units;
+    const bool flat_unit =
+        sizes.flat && long(u) >= sizes.exact_units && sizes.flat_units[w.item] > 0;
     if (flat_unit) EXPECT_GT(it.num_pages, 0);
     if (has_history || flat_unit) exact_phase = false;
     EXPECT_TRUE(has_history || flat_unit || exact_phase) << "exact-only units must come first";
@@ -164,12 +165,14 @@ void CheckPlan(const Case& c) {
         ASSERT_LT(s, splits);
         EXPECT_EQ(w.partial, heads[ih].hist_first + s);
         const bool weighted = sizes.fold_exact && it.num_exact > 0 && sizes.exact_page_cost > 0;
+        // An item cut per head in a flat plan has its own pages per unit.
+        const long ppu = sizes.flat ? sizes.head_pages[w.item] : sizes.pages_per_unit;
         if (!weighted) {
-          EXPECT_LE(w.end - w.begin, sizes.pages_per_unit);
-          EXPECT_EQ(w.begin, s * sizes.pages_per_unit);
+          EXPECT_LE(w.end - w.begin, ppu);
+          EXPECT_EQ(w.begin, s * ppu);
         } else {
           std::vector<long> cuts;
-          FoldedPageCuts(it.num_pages, splits, sizes.pages_per_unit, it.num_exact,
+          FoldedPageCuts(it.num_pages, splits, ppu, it.num_exact,
                          FoldedExactPerUnit(it.num_exact, splits), sizes.exact_page_cost, &cuts);
           EXPECT_EQ(w.begin, cuts[s]);
           EXPECT_EQ(w.end, cuts[s + 1]);
@@ -456,6 +459,61 @@ TEST(AttendSchedule, FlatCutsSpreadTheWeightEvenlyOverEveryUnitOfTheWave) {
   const std::vector<AttendItem> many(64, Item(2038, 10));
   EXPECT_FALSE(SizeAttendUnits(many.data(), 64, 8, 396, FoldExact::kAuto, true, true).flat);
   CheckPlan({many, 8, 396, FoldExact::kAuto, true, true});
+  // A short item next to long ones (a new request in a decode batch): one
+  // unit per kv head for it, cut per head; the long items still flat, the
+  // wave still whole.
+  std::vector<AttendItem> with_short = b8;
+  with_short.push_back(Item(3, 10));
+  const UnitSizes ws = SizeAttendUnits(with_short.data(), 9, 8, 528, FoldExact::kAuto, true, true);
+  ASSERT_TRUE(ws.flat);
+  EXPECT_EQ(ws.flat_units[8], 0);
+  EXPECT_EQ(ws.head_pages[8], 3);
+  EXPECT_EQ(ws.history_units, 528);
+  for (int i = 0; i < 8; ++i) EXPECT_EQ(ws.flat_units[i], 65);
+  CheckPlan({with_short, 8, 528, FoldExact::kAuto, true, true});
+  // Many one-page items next to a long one, on few kv heads: never more
+  // units than the wave holds (each light item takes its one unit per head
+  // out of the share first).
+  for (const int H : {1, 2}) {
+    std::vector<AttendItem> light{Item(2000, 0)};
+    light.insert(light.end(), 20, Item(1, 0));
+    const UnitSizes l = SizeAttendUnits(light.data(), 21, H, 100, FoldExact::kAuto, true, true);
+    EXPECT_TRUE(l.flat);
+    EXPECT_LE(l.history_units, 100);
+    CheckPlan({light, H, 100, FoldExact::kAuto, true, true});
+  }
+  CheckPlan({{Item(81, 0), Item(3, 0), Item(241, 0), Item(1, 0)}, 1, 10, FoldExact::kAuto, true,
+             true});
+}
+
+// The batch of the GPU test CudaAttendVariant.FlatCutUnitsAcrossKvHeads-
+// MatchReference (30K, 9K, 300 and 2K tokens: S0 64, W 256, 32-token
+// pages), planned for a wave of 53 units: the plans it asserts on the GPU
+// (flat, units with a second part, and with the next kv head's blocks when
+// they are folded) are these. Folded: 30K in 27 flat units, 9K in 10,
+// 2K per head (one unit per kv head), 300 in exact units; exact units of
+// their own: 30K in 10 flat units, 9K and 2K per head.
+TEST(AttendSchedule, TheGpuTestsFlatBatchHasUnitsOfEveryKind) {
+  const std::vector<AttendItem> batch{Item(927, 10), Item(271, 10), Item(0, 10), Item(52, 10)};
+  for (const FoldExact fold : {FoldExact::kAuto, FoldExact::kAlways, FoldExact::kNever}) {
+    const UnitSizes u = SizeAttendUnits(batch.data(), 4, 8, 53, fold, true, true);
+    ASSERT_TRUE(u.flat);
+    EXPECT_EQ(u.fold_exact, fold != FoldExact::kNever);
+    const std::vector<int> folded{27, 10, 0, 0}, unfolded{10, 0, 0, 0};
+    EXPECT_EQ(u.flat_units, u.fold_exact ? folded : unfolded);
+    EXPECT_EQ(u.head_pages[3], 52);
+    std::vector<WorkUnit> work(u.num_work());
+    std::vector<HeadPartials> heads(4 * 8);
+    FillAttendUnits(u, batch.data(), 4, 8, work.data(), heads.data());
+    int second = 0, next_exact = 0;
+    for (const WorkUnit& w : work) {
+      second += w.next_partial >= 0;
+      next_exact += w.exact_partial >= 0 && w.exact_head != w.kv_head;
+    }
+    EXPECT_GT(second, 0);
+    EXPECT_EQ(next_exact > 0, u.fold_exact);
+    CheckPlan({batch, 8, 53, fold, true, true});
+  }
 }
 
 TEST(AttendSchedule, FlatCutsCrossKvHeadsAtBlockAndPageBoundaries) {

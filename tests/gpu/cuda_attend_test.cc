@@ -28,6 +28,7 @@
 #include <functional>
 #include <limits>
 #include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
@@ -410,41 +411,54 @@ TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReferen
 
 // Variant 19: the history cut flat, so that units span two kv heads (the
 // exact blocks of the next one, then its first pages as a second part).
-// Batches of several lengths with the exact blocks on the history units
-// (the default from kFoldPagesPerUnit pages per unit; forced) and in exact
-// units of their own (never folded), next to items with no history; the
-// plan must be flat, and the results those of the fp64 reference.
+// Planned for a wave of 53 units (OSCARKV_CUDA_ATTEND_WAVE_UNITS), so that
+// the 30K-token item gets 27 units of ~300 pages for its 8 kv heads, as
+// B8 64K gets 66 of ~260 on a whole H200 (the 110-page weight of a head's
+// exact blocks then ends inside a unit), while the fp64 reference stays
+// small; next to an item cut per head (one unit per kv head: too light for
+// the flat share) and one without history (the CPU test
+// AttendSchedule.TheGpuTestsFlatBatchHasUnitsOfEveryKind pins these plans). Exact blocks folded onto the history units (auto, forced) and
+// in exact units of their own (never folded); every plan must be flat
+// with units of both kinds, and the results those of the fp64 reference.
 TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   struct Restore {
     Backend* shared;
     ~Restore() { gpu = shared; }
   } restore{gpu};
+  constexpr long kWave = 53;
   for (const char* fold : {"0", "1", "2"}) {
     setenv("OSCARKV_CUDA_ATTEND_VARIANT", "19", 1);
     setenv("OSCARKV_CUDA_ATTEND_FOLD", fold, 1);
+    setenv("OSCARKV_CUDA_ATTEND_WAVE_UNITS", std::to_string(kWave).c_str(), 1);
     auto flat = CreateCudaBackend(0);
+    unsetenv("OSCARKV_CUDA_ATTEND_WAVE_UNITS");
     unsetenv("OSCARKV_CUDA_ATTEND_FOLD");
     unsetenv("OSCARKV_CUDA_ATTEND_VARIANT");
     ASSERT_TRUE(flat.ok()) << flat.status();
     gpu = flat->get();
-    const Config cf{128, 4, 128, 8, 64, 256, 32, false, {9000, 300, 2000, 100, 30000}};
-    bool planned_flat = false;
-    int ran = -1;
+    const Config cf{128, 4, 128, 8, 64, 256, 32, false, {30000, 9000, 300, 2000}};
+    const bool folded = fold[0] != '2';
+    int plans = 0;
     auto plan = [&](const AttendBatch& batch) {
       auto launcher = AttendLauncher::Create(0);
       ASSERT_TRUE(launcher.ok()) << launcher.status();
-      (*launcher)->set_variant(AttendLauncher::kFlatCutVariant);
-      (*launcher)->set_fold_exact(cuda_attend::FoldExactFromNumber(std::atoi(fold)));
-      ASSERT_TRUE((*launcher)->Prepare(batch, nullptr).ok());
+      AttendLauncher& L = **launcher;
+      L.set_variant(AttendLauncher::kFlatCutVariant);
+      L.set_fold_exact(cuda_attend::FoldExactFromNumber(std::atoi(fold)));
+      L.set_wave_units(kWave);
+      ASSERT_TRUE(L.Prepare(batch, nullptr).ok());
       ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
-      planned_flat = (*launcher)->schedule().flat_cut;
-      ran = (*launcher)->schedule().variant;
+      const AttendSchedule& sc = L.schedule();
+      EXPECT_TRUE(sc.flat_cut) << "fold " << fold;
+      EXPECT_EQ(sc.variant, AttendLauncher::kFlatCutVariant);
+      EXPECT_GT(sc.second_parts, 0) << "fold " << fold;
+      if (folded) EXPECT_GT(sc.next_head_exact, 0) << "fold " << fold;
+      ++plans;
     };
     const Errors e = RunConfig(cf, 123 + fold[0], 2, plan);
     gpu = restore.shared;
-    EXPECT_TRUE(planned_flat) << "fold " << fold;
-    EXPECT_EQ(ran, AttendLauncher::kFlatCutVariant);
+    EXPECT_GT(plans, 0);
     std::printf("flat cut (fold %s): rel err gpu/ref %.2e cpu/ref %.2e gpu/cpu %.2e, "
                 "lse gpu/ref %.2e\n",
                 fold, e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.lse_gpu_ref);
