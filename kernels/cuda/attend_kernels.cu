@@ -365,7 +365,7 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // 10's stage ring feeding 12's warp (kShortChain; other shapes run 3); 17 =
 // 16 at 4 blocks per SM; 19 = 15 with units of two kv heads (kTwoHeads),
 // which the plan then cuts flat (HasTwoHeadKernel; other shapes run 3).
-// (18, auto, is resolved to 14 or 15 by Prepare.)
+// (18, auto, is resolved to 14 or 19 by Prepare.)
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 // Variants from `first` on (auto, which Prepare resolves first, not among them).

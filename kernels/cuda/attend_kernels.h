@@ -49,9 +49,10 @@ struct AttendSchedule {
   // clusters of cluster_blocks blocks per (item, kv head).
   int clusters_per_head = 0;
   int cluster_blocks = 0;
-  // The split-kernel variant that ran (variant 18 resolves to 14 or 15).
+  // The split-kernel variant that ran (variant 18 resolves to 14 or 19).
   int variant = 0;
   int merge_slice = 32;  // output dims per merge block (32 or 64)
+  int plan_reused = 0;   // 1: the units of the last Prepare, whose shapes were the same
   // Variant 19: some items' history cut flat over their kv heads; units
   // with a second history part (the next kv head's first pages), and units
   // with the next kv head's exact blocks.
@@ -170,14 +171,16 @@ class AttendLauncher {
   //   17 = 16 at 4 blocks/SM (120 / 124 registers without spills, 45 KB of
   //       shared memory per block; same shapes as 12): slower than 14 at
   //       every shape but B8 64K (104.8 us) in run 25;
-  //   18 = auto, the default: 15 when the batch's history gives each SM at
-  //       least kHeavyTokenHeadsPerSm (token, kv head) pairs, else 14
-  //       (ResolveVariant);
+  //   18 = auto, the default: 19 (15 until 2026-12-01, session 22) when the
+  //       batch's history gives each SM at least kHeavyTokenHeadsPerSm
+  //       (token, kv head) pairs, else 14 (ResolveVariant);
   //   19 = 15 with the history cut flat (attend_schedule.h's FlatCuts): each
   //       item's kv heads end to end in units of even weight, which may span
   //       two kv heads (same shapes as 12; others run 3). At B8 64K on an
-  //       H200 that is 528 units for 528 slots instead of 512 (8 SMs with
-  //       fewer than 4 blocks, RESULTS run 25). Not yet timed (2026-12-01).
+  //       H200 that is 528 units for 528 slots instead of 512 (8 SMs had
+  //       fewer than 4 blocks). Against 15 (H200, 2026-12-01, RESULTS run
+  //       26): B8 64K 98.5 -> 96.9 us, B1 128K 35.0 -> 34.4, B8 32K the same
+  //       (60.5), slower at the light shapes (as 15 is).
   // Takes effect at the next Prepare(). The environment variable
   // OSCARKV_CUDA_ATTEND_VARIANT sets the initial value.
   static constexpr int kNumVariants = 20;
@@ -186,10 +189,10 @@ class AttendLauncher {
   static constexpr int kFlatCutVariant = 19;
   static constexpr int kDefaultVariant = kAutoVariant;
   // What variant 18 runs on light and on heavy batches.
-  static constexpr int kAutoLightVariant = 14, kAutoHeavyVariant = 15;
-  // History (token, kv head) pairs per SM from which variant 18 runs 15:
-  // between B1 64K (3,952 per SM on 132 SMs, where 14 and 15 take the
-  // same time) and B1 128K (7,924, 15 faster).
+  static constexpr int kAutoLightVariant = 14, kAutoHeavyVariant = 19;
+  // History (token, kv head) pairs per SM from which variant 18 runs its
+  // heavy variant: between B1 64K (3,952 per SM on 132 SMs, where 14, 15
+  // and 19 take the same time) and B1 128K (7,924, 15 and 19 faster).
   static constexpr long kHeavyTokenHeadsPerSm = 6144;
   // The variant a Prepare() of `variant` runs for a batch whose history
   // holds `history_token_heads` (token, kv head) pairs on `num_sms` SMs:
@@ -296,6 +299,7 @@ class AttendLauncher {
   // writes. All only grow.
   void* staging_ = nullptr;
   size_t staging_bytes_ = 0;
+  unsigned long staging_generation_ = 0;  // counts its allocations
   void* results_ = nullptr;
   void* results_dev_ = nullptr;  // the device's address of results_
   size_t results_bytes_ = 0;
@@ -327,6 +331,31 @@ class AttendLauncher {
   // resident at once (asked once per size).
   int cluster_blocks_ = cuda_attend::kClusterBlocks;
   std::map<int, int> cluster_capacity_;
+
+  // What the last plan (SizeAttendUnits, FillAttendUnits) was made from. A
+  // Prepare with the same inputs reuses its sizes and, when the layout and
+  // the staging buffer are the same, its work units and head partials where
+  // it wrote them (plan_in_staging_), skipping the planning (~1 us per
+  // call per-head, ~5 for a flat cut, on the dev VM); the fields that vary
+  // per call (the units' exact block references) are written every time. A
+  // decode loop keeps its page counts for up to 32 steps.
+  struct PlanInputs {
+    long capacity = 0;
+    int kv_heads = 0;
+    int fold = 0;
+    bool exact_first = false;
+    bool flat_cut = false;
+    std::vector<std::pair<int, int>> items;  // (num_pages, num_exact)
+    bool operator==(const PlanInputs& o) const {
+      return capacity == o.capacity && kv_heads == o.kv_heads && fold == o.fold &&
+             exact_first == o.exact_first && flat_cut == o.flat_cut && items == o.items;
+    }
+  };
+  PlanInputs plan_inputs_;
+  cuda_attend::UnitSizes plan_sizes_;
+  size_t plan_off_work_ = 0, plan_off_heads_ = 0;
+  unsigned long plan_staging_generation_ = 0;
+  bool plan_in_staging_ = false;
 
   // The prepared launch.
   struct Prepared;

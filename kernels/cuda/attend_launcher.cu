@@ -89,6 +89,7 @@ absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t results_bytes,
     const size_t want = std::max(staging_bytes, staging_bytes_ * 3 / 2);
     if (staging_ != nullptr) OSCARKV_CUDA_RETURN_IF_ERROR(cudaFreeHost(staging_));
     staging_ = nullptr;
+    ++staging_generation_;  // its contents (the last plan's units) are gone
     staging_bytes_ = 0;
     OSCARKV_CUDA_ALLOC_OR_RETURN(staging_, cudaHostAlloc(&staging_, want, cudaHostAllocDefault),
                                  "cudaHostAlloc (attention staging)");
@@ -178,12 +179,20 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   // Work units: exact-only units first (short), then history ranges (which
   // may carry exact blocks) sized so that all units fit in one wave of
   // resident blocks (attend_schedule.h).
-  cuda_attend::UnitSizes sizes;
+  // A batch of the last plan's shapes reuses it (PlanInputs): its sizes,
+  // and its units and head partials where it left them in the staging
+  // buffer (checked below, once the layout is known).
+  const bool had_plan = plan_in_staging_;
+  plan_in_staging_ = false;  // until this Prepare's plan is in place
+  bool same_plan = false;
+  cuda_attend::UnitSizes cluster_sizes;
+  const cuda_attend::UnitSizes* sizes_ptr = &plan_sizes_;
   if (shape.cluster_blocks > 0) {
-    sizes.history_units = long(n) * H * clusters_per_head * shape.cluster_blocks;
+    cluster_sizes.history_units = long(n) * H * clusters_per_head * shape.cluster_blocks;
     // Each cluster's result of both sets (normalized o, then the base-2
     // LSE, in a partial's slot), when the clusters of a head meet in memory.
-    sizes.partials = clusters_per_head > 1 ? 2L * n * H * clusters_per_head : 0;
+    cluster_sizes.partials = clusters_per_head > 1 ? 2L * n * H * clusters_per_head : 0;
+    sizes_ptr = &cluster_sizes;
   } else {
     // Resident split blocks per SM: a driver query, asked once per kernel.
     const std::pair<int, int> kernel_key{(D * 8 + shape.groups) * 2 + (shape.g8 ? 1 : 0),
@@ -196,10 +205,23 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     const long capacity =
         wave_units_ > 0 ? wave_units_ : std::max<long>(1, long(known->second) * num_sms_);
     OSCARKV_ASSIGN_OR_RETURN(const bool exact_first, cuda_attend::HasExactFirstKernel(shape));
-    sizes = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first,
-                                         cuda_attend::HasTwoHeadKernel(shape));
-    shape.exact_first = sizes.fold_exact && exact_first;
+    PlanInputs in;
+    in.capacity = capacity;
+    in.kv_heads = H;
+    in.fold = static_cast<int>(fold_exact_);
+    in.exact_first = exact_first;
+    in.flat_cut = cuda_attend::HasTwoHeadKernel(shape);
+    in.items.resize(n);
+    for (int i = 0; i < n; ++i) in.items[i] = {b.items[i].num_pages, b.items[i].num_exact};
+    same_plan = had_plan && in == plan_inputs_;
+    if (!same_plan) {
+      plan_sizes_ = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first,
+                                                 in.flat_cut);
+      plan_inputs_ = std::move(in);
+    }
+    shape.exact_first = plan_sizes_.fold_exact && exact_first;
   }
+  const cuda_attend::UnitSizes& sizes = *sizes_ptr;
   const long num_work = sizes.num_work();
   // The merge kernel addresses the partials with 32-bit float offsets.
   const long partial_floats = sizes.partials * static_cast<long>(cuda_attend::PartialFloats(g, D));
@@ -354,10 +376,19 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     if (it.num_exact > 0) std::memcpy(exact + exact_pos, it.exact, sizeof(ExactBlockRef) * it.num_exact);
     exact_pos += it.num_exact;
   }
+  bool plan_reused = false;
   if (shape.cluster_blocks > 0) {
     cuda_attend::FillClusterUnits(b.items, n, H, shape.cluster_blocks, clusters_per_head, work);
   } else {
-    cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, heads);
+    // The last plan's units and head partials are still in place when
+    // nothing moved them: same inputs, offsets and staging buffer.
+    plan_reused = same_plan && off_work == plan_off_work_ && off_heads == plan_off_heads_ &&
+                  staging_generation_ == plan_staging_generation_;
+    if (!plan_reused) cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, heads);
+    plan_off_work_ = off_work;
+    plan_off_heads_ = off_heads;
+    plan_staging_generation_ = staging_generation_;
+    plan_in_staging_ = true;
   }
   int second_parts = 0, next_head_exact = 0;
   for (long u = 0; u < num_work; ++u) {
@@ -454,6 +485,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.variant = shape.variant;
   schedule_.merge_slice = shape.merge_slice;
   schedule_.flat_cut = sizes.flat;
+  schedule_.plan_reused = plan_reused ? 1 : 0;
   schedule_.second_parts = second_parts;
   schedule_.next_head_exact = next_head_exact;
   schedule_.cluster_blocks = shape.cluster_blocks;

@@ -159,33 +159,51 @@ bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<Fl
   if (cost <= 0) exact = 0;  // weightless blocks would be cut anywhere
   const long per_head = exact + pages;  // elements: blocks, then pages
   const long elements = per_head * H;
-  const long head_weight = cost * exact + pages;
-  const double total = double(head_weight) * H;
+  const long exact_weight = cost * exact, head_weight = exact_weight + pages;
+  const long total = head_weight * H;
   units = static_cast<int>(std::min<long>(units, elements));
-  // The element boundary whose weight before it is nearest to w.
-  auto boundary_at = [&](double w) {
-    const long h = std::min<long>(H - 1, static_cast<long>(w / double(head_weight)));
-    const double o = w - double(h) * double(head_weight);
-    long j;
-    if (o <= double(cost * exact)) {
-      j = exact > 0 ? std::lround(o / double(cost)) : 0;
-    } else {
-      j = exact + std::lround(o - double(cost * exact));
-    }
-    return h * per_head + std::clamp<long>(j, 0, per_head);
+  out->resize(units);
+  FlatUnit* const cut = out->data();
+  // The weight before element j of head h.
+  auto weight_before = [&](long h, long j) {
+    return h * head_weight + (j <= exact ? j * cost : exact_weight + (j - exact));
   };
-  auto weight_of = [&](long e0, long e1) {  // elements [e0, e1) of one head
-    const long blocks = std::max(0L, std::min(e1, long(exact)) - e0);
-    return cost * blocks + (e1 - e0 - blocks);
-  };
-  long prev = 0;
+  // Cut k at the element boundary nearest to the weight round(k x total /
+  // units), kept in step without a division per cut (this runs in every
+  // Prepare: hundreds of units): t = q·k + (r·k + units/2) / units.
+  const long q = total / units, r = total % units;
+  long t = 0, acc = units / 2;
+  long th = 0, ts = 0;  // the head of weight t, and its first weight
+  long prev = 0, h0 = 0, e0 = 0;  // the unit's first element, as (head, element)
+  long w0 = 0;                    // and the weight before it
   for (int k = 1; k <= units; ++k) {
-    long b = k == units ? elements : boundary_at(total * k / units);
-    b = std::clamp(b, prev + 1, elements - (units - k));
-    // The unit [prev, b): its first and last heads, its elements in each.
-    long h0 = prev / per_head, e0 = prev % per_head;
-    long h1 = (b - 1) / per_head, e1 = (b - 1) % per_head + 1;
-    FlatUnit u;
+    t += q;
+    acc += r;
+    if (acc >= units) {
+      acc -= units;
+      ++t;
+    }
+    while (th + 1 < H && t >= ts + head_weight) {
+      ++th;
+      ts += head_weight;
+    }
+    long h = th, j;
+    const long o = t - ts;
+    if (o <= exact_weight) {
+      j = exact > 0 ? (o + cost / 2) / cost : 0;
+    } else {
+      j = std::min(per_head, exact + (o - exact_weight));
+    }
+    long b = k == units ? elements : h * per_head + j;
+    const long lo = prev + 1, hi = elements - (units - k);
+    if (b < lo || b > hi || k == units) {
+      b = std::clamp(b, lo, hi);
+      h = b / per_head;  // rare: only where a cut moved
+      j = b % per_head;
+    }
+    // The unit [prev, b): its last head and its elements there.
+    const long h1 = j == 0 ? h - 1 : h, e1 = j == 0 ? per_head : j;
+    FlatUnit& u = cut[k - 1] = FlatUnit{};
     u.head = static_cast<int>(h0);
     u.exact_head = u.head;
     if (h1 == h0) {
@@ -195,19 +213,24 @@ bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<Fl
       }
       u.begin = static_cast<int>(std::max<long>(e0, exact) - exact);
       u.end = static_cast<int>(std::max<long>(e1, exact) - exact);
-      u.weight = weight_of(e0, e1);
     } else {
       // Two heads at most, and head h0's part pages only.
-      if (h1 != h0 + 1 || e0 < exact) return false;
+      if (h1 != h0 + 1 || e0 < exact) {
+        out->clear();
+        return false;
+      }
       u.begin = static_cast<int>(e0 - exact);
       u.end = static_cast<int>(pages);
       u.exact_head = static_cast<int>(h1);
       u.exact_end = static_cast<int>(std::min<long>(e1, exact));
       u.next_end = static_cast<int>(std::max<long>(e1, exact) - exact);
-      u.weight = weight_of(e0, per_head) + weight_of(0, e1);
     }
-    out->push_back(u);
+    const long w1 = weight_before(h, j);
+    u.weight = w1 - w0;
     prev = b;
+    w0 = w1;
+    h0 = j == per_head ? h + 1 : h;
+    e0 = j == per_head ? 0 : j;
   }
   return true;
 }
@@ -276,7 +299,7 @@ bool CutFlat(const AttendItem* items, int n, int H, long target, UnitSizes* u) {
   }
   long history_units = 0, partials = 0, heaviest = 0;
   bool any_flat = false;
-  std::vector<FlatUnit> cut;
+  std::vector<FlatUnit> cut, cuts;
   std::vector<long> page_cuts;
   std::vector<long> head_pages(n, 0);
   for (int i = 0; i < n; ++i) {
@@ -292,6 +315,7 @@ bool CutFlat(const AttendItem* items, int n, int H, long target, UnitSizes* u) {
           partials += (f.begin < f.end) + (f.exact_begin < f.exact_end) + (f.next_end > 0);
           heaviest = std::max(heaviest, f.weight);
         }
+        cuts.insert(cuts.end(), cut.begin(), cut.end());
         continue;
       }
       head_splits[i] = std::max(1, units[i] / H);  // H x that many units at most
@@ -317,6 +341,7 @@ bool CutFlat(const AttendItem* items, int n, int H, long target, UnitSizes* u) {
   u->flat = true;
   u->flat_units = std::move(units);
   u->head_pages = std::move(head_pages);
+  u->flat_cuts = std::move(cuts);
   return true;
 }
 
@@ -380,16 +405,15 @@ void FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per, lo
 
 namespace {
 
-// The history units of item i under a flat cut, from `partial` on: each
-// kv head's history partials, then its exact ones.
-void FillFlatUnits(const UnitSizes& sizes, const AttendItem& it, int i, int H, int* partial,
+// The history units of item i under a flat cut, cut[0, sizes.flat_units[i])
+// (SizeAttendUnits' FlatCuts), from `partial` on: each kv head's history
+// partials, then its exact ones.
+void FillFlatUnits(const UnitSizes& sizes, const FlatUnit* cut, int i, int H, int* partial,
                    int* w, WorkUnit* work, HeadPartials* heads) {
-  std::vector<FlatUnit> cut;
-  const int exact = sizes.fold_exact ? it.num_exact : 0;
-  FlatCuts(it.num_pages, exact, sizes.fold_exact ? sizes.exact_page_cost : 0, H,
-           sizes.flat_units[i], &cut);
+  const FlatUnit* const cut_end = cut + sizes.flat_units[i];
   std::vector<int> hist(H, 0), ex(H, 0);
-  for (const FlatUnit& f : cut) {
+  for (const FlatUnit* p = cut; p < cut_end; ++p) {
+    const FlatUnit& f = *p;
     if (f.begin < f.end) ++hist[f.head];
     if (f.exact_begin < f.exact_end) ++ex[f.exact_head];
     if (f.next_end > 0) ++hist[f.head + 1];
@@ -407,7 +431,8 @@ void FillFlatUnits(const UnitSizes& sizes, const AttendItem& it, int i, int H, i
     hist[h] = hp.hist_first;  // from here: the next index of each set
     ex[h] = hp.exact_first;
   }
-  for (const FlatUnit& f : cut) {
+  for (const FlatUnit* p = cut; p < cut_end; ++p) {
+    const FlatUnit& f = *p;
     WorkUnit& u = work[(*w)++] = UnitOf(i, f.head);
     if (f.begin < f.end) {
       u.begin = f.begin;
@@ -434,6 +459,7 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
   const long epu = sizes.exact_per_unit, batch_ppu = sizes.pages_per_unit;
   int partial = 0, w = 0;
   std::vector<long> cuts;  // one item's page cuts at a time
+  const FlatUnit* flat_cut = sizes.flat_cuts.data();  // the next flat item's units
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = items[i];
     for (int h = 0; h < H; ++h) heads[size_t(i) * H + h] = HeadPartials{partial, 0, partial, 0};
@@ -454,7 +480,8 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = items[i];
     if (sizes.flat && it.num_pages > 0 && sizes.flat_units[i] > 0) {
-      FillFlatUnits(sizes, it, i, H, &partial, &w, work, heads);
+      FillFlatUnits(sizes, flat_cut, i, H, &partial, &w, work, heads);
+      flat_cut += sizes.flat_units[i];
       continue;
     }
     // Per head, with the batch's pages per unit, or the item's own when the

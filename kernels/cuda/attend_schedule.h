@@ -21,6 +21,19 @@ namespace cuda_attend {
 // of 32). Page pointers are checked while they are copied (AttendLauncher).
 absl::Status CheckAttendBatch(const AttendBatch& batch);
 
+// One history unit of a flat cut of an item (FlatCuts): pages [begin, end)
+// of kv head `head`, exact blocks [exact_begin, exact_end) of kv head
+// exact_head, and pages [0, next_end) of kv head head + 1, each possibly
+// empty.
+struct FlatUnit {
+  int head = 0;
+  int begin = 0, end = 0;
+  int exact_head = 0;
+  int exact_begin = 0, exact_end = 0;
+  int next_end = 0;
+  long weight = 0;  // pages + cost x exact blocks
+};
+
 struct UnitSizes {
   long exact_per_unit = 1;  // sink / recent blocks per exact unit
   // History pages per history unit: each of an item's units has this many
@@ -47,6 +60,7 @@ struct UnitSizes {
   bool flat = false;
   std::vector<int> flat_units;   // per item
   std::vector<long> head_pages;  // per item
+  std::vector<FlatUnit> flat_cuts;  // the flat items' units, item after item
   long num_work() const { return exact_units + history_units; }
 };
 
@@ -122,18 +136,6 @@ UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, 
                           FoldExact fold = FoldExact::kAuto, bool exact_first = true,
                           bool flat_cut = false);
 
-// One history unit of a flat cut of an item (FlatCuts): pages [begin, end)
-// of kv head `head`, exact blocks [exact_begin, exact_end) of kv head
-// exact_head, and pages [0, next_end) of kv head head + 1, each possibly
-// empty.
-struct FlatUnit {
-  int head = 0;
-  int begin = 0, end = 0;
-  int exact_head = 0;
-  int exact_begin = 0, exact_end = 0;
-  int next_end = 0;
-  long weight = 0;  // pages + cost x exact blocks
-};
 
 // Cuts one item's history flat: its kv heads' exact blocks (weight `cost`
 // each; pass exact = 0 when they do not ride on the history units) and

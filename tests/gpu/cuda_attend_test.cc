@@ -468,30 +468,80 @@ TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
   }
 }
 
-// Variant 18 (auto, the default) runs 15 from kHeavyTokenHeadsPerSm history
+// Batches of the same shapes (page and exact block counts) one after the
+// other, as in a decode loop: the launcher reuses its plan (the units and
+// head partials it left in its staging buffer), but each call's own pages,
+// exact blocks and queries must be the ones attended to: new caches at new
+// addresses, with the exact blocks on the history units (their first block
+// is copied into each unit per call) and in exact units of their own.
+TEST(CudaAttendLauncher, RepeatedShapesReuseThePlanWithEachCallsOwnBlocks) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  struct Restore {
+    Backend* shared;
+    ~Restore() { gpu = shared; }
+  } restore{gpu};
+  for (const char* fold : {"1", "2"}) {
+    setenv("OSCARKV_CUDA_ATTEND_FOLD", fold, 1);
+    auto backend = CreateCudaBackend(0);
+    unsetenv("OSCARKV_CUDA_ATTEND_FOLD");
+    ASSERT_TRUE(backend.ok()) << backend.status();
+    gpu = backend->get();
+    const Config cf{128, 4, 128, 8, 64, 256, 32, false, {3000, 700, 100, 5000}};
+    // The plan of a launcher as the backend's: one Prepare, then a second of
+    // the same batch reuses it.
+    int reused[2] = {-1, -1};
+    auto plan = [&](const AttendBatch& batch) {
+      auto launcher = AttendLauncher::Create(0);
+      ASSERT_TRUE(launcher.ok()) << launcher.status();
+      AttendLauncher& L = **launcher;
+      L.set_fold_exact(cuda_attend::FoldExactFromNumber(std::atoi(fold)));
+      for (int k = 0; k < 2; ++k) {
+        ASSERT_TRUE(L.Prepare(batch, nullptr).ok());
+        reused[k] = L.schedule().plan_reused;
+      }
+      ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+    };
+    for (const uint64_t seed : {301, 302, 303}) {
+      std::function<void(const AttendBatch&)> inspect;
+      if (seed == 301) inspect = plan;
+      const Errors e = RunConfig(cf, seed + fold[0], 2, inspect);
+      std::printf("same shapes, seed %d (fold %s): rel err gpu/ref %.2e gpu/cpu %.2e, "
+                  "lse gpu/ref %.2e\n",
+                  int(seed), fold, e.gpu_ref, e.gpu_cpu, e.lse_gpu_ref);
+      EXPECT_LT(e.gpu_ref, OutTol(cf.dim, cf.group, cf.gqa));
+      EXPECT_LT(e.gpu_cpu, OutTol(cf.dim, cf.group, cf.gqa));
+      EXPECT_LT(e.lse_gpu_ref, kLseTol);
+    }
+    gpu = restore.shared;
+    EXPECT_EQ(reused[0], 0);
+    EXPECT_EQ(reused[1], 1);
+  }
+}
+
+// Variant 18 (auto, the default) runs 19 from kHeavyTokenHeadsPerSm history
 // (token, kv head) pairs per SM, else 14; every other variant runs itself.
 // Needs no device: the choice is the host's.
-TEST(CudaAttendVariant, AutoRunsFifteenFromTheHeavyThresholdElseFourteen) {
+TEST(CudaAttendVariant, AutoRunsNineteenFromTheHeavyThresholdElseFourteen) {
   constexpr int kAuto = AttendLauncher::kAutoVariant;
   constexpr long kPerSm = AttendLauncher::kHeavyTokenHeadsPerSm;
   EXPECT_EQ(AttendLauncher::kDefaultVariant, kAuto);
   EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, 0, 132), 14);
   EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, kPerSm * 132 - 1, 132), 14);
-  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, kPerSm * 132, 132), 15);
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, kPerSm * 132, 132), 19);
   // The benchmark's shapes on an H200 (132 SMs, 8 kv heads, 32-token pages).
   EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, (65536L - 320) * 8, 132), 14);   // B1 64K
-  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, (131072L - 320) * 8, 132), 15);  // B1 128K
-  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, 8 * (32768L - 320) * 8, 132), 15);  // B8 32K
-  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, kPerSm, 0), 15);  // no SM count: one
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, (131072L - 320) * 8, 132), 19);  // B1 128K
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, 8 * (32768L - 320) * 8, 132), 19);  // B8 32K
+  EXPECT_EQ(AttendLauncher::ResolveVariant(kAuto, kPerSm, 0), 19);  // no SM count: one
   for (int v = 0; v < AttendLauncher::kNumVariants; ++v) {
     if (v != kAuto) EXPECT_EQ(AttendLauncher::ResolveVariant(v, 1L << 40, 132), v);
   }
-  // 14 and 15 share their shapes and their 16-bit P', so auto's tolerance is theirs.
+  // 14 and 19 share their shapes and their 16-bit P', so auto's tolerance is theirs.
   for (int gqa : {1, 4, 8}) {
     for (int group : {32, 128}) {
       EXPECT_EQ(AttendLauncher::UsesFixedPoint16(kAuto, 128, group, gqa),
                 AttendLauncher::UsesFixedPoint16(14, 128, group, gqa));
-      EXPECT_EQ(AttendLauncher::UsesFixedPoint16(15, 128, group, gqa),
+      EXPECT_EQ(AttendLauncher::UsesFixedPoint16(19, 128, group, gqa),
                 AttendLauncher::UsesFixedPoint16(14, 128, group, gqa));
     }
   }

@@ -76,7 +76,7 @@ for t in cuda_codec_test cuda_attend_test; do
 done
 
 # The attention tests again with the other split-kernel variants (see
-# AttendLauncher::set_variant; the default is 18, auto: 14 or 15): 1 differs
+# AttendLauncher::set_variant; the default is 18, auto: 14 or 19): 1 differs
 # for D = 128 only.
 # VARIANTS (e.g. "15 16 17"): only these variants' runs.
 want() { [ -z "${VARIANTS:-}" ] || [[ " $VARIANTS " == *" $1 "* ]]; }
