@@ -26,7 +26,9 @@
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <initializer_list>
 #include <limits>
+#include <memory>
 #include <random>
 #include <string>
 #include <utility>
@@ -277,6 +279,41 @@ Errors RunConfig(const Config& cf, uint64_t seed, int repeats = 1,
   return worst;
 }
 
+// The errors of a RunConfig within the tolerances of its shape: against the
+// fp64 reference and the CPU backend, and the log-sum-exp.
+void ExpectWithinTolerance(const Config& cf, const Errors& e) {
+  EXPECT_LT(e.gpu_ref, OutTol(cf.dim, cf.group, cf.gqa));
+  EXPECT_LT(e.gpu_cpu, OutTol(cf.dim, cf.group, cf.gqa));
+  EXPECT_LT(e.lse_gpu_ref, kLseTol);
+}
+
+// A CUDA backend of its own, created with these environment variables set
+// (the launcher reads OSCARKV_CUDA_ATTEND_* when it is made), on which
+// RunConfig runs (`gpu`) while this is in scope.
+class ScopedBackend {
+ public:
+  explicit ScopedBackend(std::initializer_list<std::pair<const char*, std::string>> env)
+      : shared_(gpu) {
+    for (const auto& [name, value] : env) setenv(name, value.c_str(), 1);
+    auto b = CreateCudaBackend(0);
+    for (const auto& [name, value] : env) unsetenv(name);
+    status_ = b.status();
+    if (b.ok()) {
+      own_ = std::move(b).value();
+      gpu = own_.get();
+    }
+  }
+  ~ScopedBackend() { gpu = shared_; }
+  ScopedBackend(const ScopedBackend&) = delete;
+  ScopedBackend& operator=(const ScopedBackend&) = delete;
+  const absl::Status& status() const { return status_; }
+
+ private:
+  Backend* shared_;
+  std::unique_ptr<Backend> own_;
+  absl::Status status_;
+};
+
 class CudaAttendTest : public ::testing::TestWithParam<std::tuple<int, int, int>> {
  protected:
   void SetUp() override {
@@ -383,16 +420,8 @@ TEST(CudaAttendDefaults, MisalignedRotationsMatchReference) {
 // enough to have no history at all (those keep exact units of their own).
 TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReference) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
-  setenv("OSCARKV_CUDA_ATTEND_FOLD", "1", 1);
-  auto folded = CreateCudaBackend(0);
-  unsetenv("OSCARKV_CUDA_ATTEND_FOLD");
-  ASSERT_TRUE(folded.ok()) << folded.status();
-  // RunConfig runs on `gpu`: point it at the folding backend for this test.
-  struct Restore {
-    Backend* shared;
-    ~Restore() { gpu = shared; }
-  } restore{gpu};
-  gpu = folded->get();
+  const ScopedBackend folded({{"OSCARKV_CUDA_ATTEND_FOLD", "1"}});
+  ASSERT_TRUE(folded.status().ok()) << folded.status();
   const Config configs[] = {
       {128, 4, 128, 8, 64, 256, 32, false, {100, 300, 28000}},
       {64, 8, 32, 8, 8, 40, 32, true, {50, 27000, 7}},
@@ -403,9 +432,7 @@ TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReferen
     std::printf("heavy D=%d g=%d: rel err gpu/ref %.2e cpu/ref %.2e gpu/cpu %.2e, "
                 "lse gpu/ref %.2e\n",
                 cf.dim, cf.gqa, e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.lse_gpu_ref);
-    EXPECT_LT(e.gpu_ref, OutTol(cf.dim, cf.group, cf.gqa));
-    EXPECT_LT(e.gpu_cpu, OutTol(cf.dim, cf.group, cf.gqa));
-    EXPECT_LT(e.lse_gpu_ref, kLseTol);
+    ExpectWithinTolerance(cf, e);
   }
 }
 
@@ -417,26 +444,18 @@ TEST(CudaAttendDefaults, HeavyHistoryWithExactBlocksOnHistoryUnitsMatchesReferen
 // exact blocks then ends inside a unit), while the fp64 reference stays
 // small; next to an item cut per head (one unit per kv head: too light for
 // the flat share) and one without history (the CPU test
-// AttendSchedule.TheGpuTestsFlatBatchHasUnitsOfEveryKind pins these plans). Exact blocks folded onto the history units (auto, forced) and
-// in exact units of their own (never folded); every plan must be flat
-// with units of both kinds, and the results those of the fp64 reference.
+// AttendSchedule.TheGpuTestsFlatBatchHasUnitsOfEveryKind pins these
+// plans). Exact blocks folded onto the history units (auto, forced) and in
+// exact units of their own (never folded); every plan must be flat with
+// units of both kinds, and the results those of the fp64 reference.
 TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
-  struct Restore {
-    Backend* shared;
-    ~Restore() { gpu = shared; }
-  } restore{gpu};
   constexpr long kWave = 53;
   for (const char* fold : {"0", "1", "2"}) {
-    setenv("OSCARKV_CUDA_ATTEND_VARIANT", "19", 1);
-    setenv("OSCARKV_CUDA_ATTEND_FOLD", fold, 1);
-    setenv("OSCARKV_CUDA_ATTEND_WAVE_UNITS", std::to_string(kWave).c_str(), 1);
-    auto flat = CreateCudaBackend(0);
-    unsetenv("OSCARKV_CUDA_ATTEND_WAVE_UNITS");
-    unsetenv("OSCARKV_CUDA_ATTEND_FOLD");
-    unsetenv("OSCARKV_CUDA_ATTEND_VARIANT");
-    ASSERT_TRUE(flat.ok()) << flat.status();
-    gpu = flat->get();
+    const ScopedBackend flat({{"OSCARKV_CUDA_ATTEND_VARIANT", "19"},
+                              {"OSCARKV_CUDA_ATTEND_FOLD", fold},
+                              {"OSCARKV_CUDA_ATTEND_WAVE_UNITS", std::to_string(kWave)}});
+    ASSERT_TRUE(flat.status().ok()) << flat.status();
     const Config cf{128, 4, 128, 8, 64, 256, 32, false, {30000, 9000, 300, 2000}};
     const bool folded = fold[0] != '2';
     int plans = 0;
@@ -457,14 +476,11 @@ TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
       ++plans;
     };
     const Errors e = RunConfig(cf, 123 + fold[0], 2, plan);
-    gpu = restore.shared;
     EXPECT_GT(plans, 0);
     std::printf("flat cut (fold %s): rel err gpu/ref %.2e cpu/ref %.2e gpu/cpu %.2e, "
                 "lse gpu/ref %.2e\n",
                 fold, e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.lse_gpu_ref);
-    EXPECT_LT(e.gpu_ref, OutTol(cf.dim, cf.group, cf.gqa));
-    EXPECT_LT(e.gpu_cpu, OutTol(cf.dim, cf.group, cf.gqa));
-    EXPECT_LT(e.lse_gpu_ref, kLseTol);
+    ExpectWithinTolerance(cf, e);
   }
 }
 
@@ -476,16 +492,9 @@ TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
 // is copied into each unit per call) and in exact units of their own.
 TEST(CudaAttendLauncher, RepeatedShapesReuseThePlanWithEachCallsOwnBlocks) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
-  struct Restore {
-    Backend* shared;
-    ~Restore() { gpu = shared; }
-  } restore{gpu};
   for (const char* fold : {"1", "2"}) {
-    setenv("OSCARKV_CUDA_ATTEND_FOLD", fold, 1);
-    auto backend = CreateCudaBackend(0);
-    unsetenv("OSCARKV_CUDA_ATTEND_FOLD");
-    ASSERT_TRUE(backend.ok()) << backend.status();
-    gpu = backend->get();
+    const ScopedBackend backend({{"OSCARKV_CUDA_ATTEND_FOLD", fold}});
+    ASSERT_TRUE(backend.status().ok()) << backend.status();
     const Config cf{128, 4, 128, 8, 64, 256, 32, false, {3000, 700, 100, 5000}};
     // The plan of a launcher as the backend's: one Prepare, then a second of
     // the same batch reuses it.
@@ -508,11 +517,8 @@ TEST(CudaAttendLauncher, RepeatedShapesReuseThePlanWithEachCallsOwnBlocks) {
       std::printf("same shapes, seed %d (fold %s): rel err gpu/ref %.2e gpu/cpu %.2e, "
                   "lse gpu/ref %.2e\n",
                   int(seed), fold, e.gpu_ref, e.gpu_cpu, e.lse_gpu_ref);
-      EXPECT_LT(e.gpu_ref, OutTol(cf.dim, cf.group, cf.gqa));
-      EXPECT_LT(e.gpu_cpu, OutTol(cf.dim, cf.group, cf.gqa));
-      EXPECT_LT(e.lse_gpu_ref, kLseTol);
+      ExpectWithinTolerance(cf, e);
     }
-    gpu = restore.shared;
     EXPECT_EQ(reused[0], 0);
     EXPECT_EQ(reused[1], 1);
   }
