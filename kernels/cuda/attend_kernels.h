@@ -346,10 +346,6 @@ class AttendLauncher {
     bool exact_first = false;
     bool flat_cut = false;
     std::vector<std::pair<int, int>> items;  // (num_pages, num_exact)
-    bool operator==(const PlanInputs& o) const {
-      return capacity == o.capacity && kv_heads == o.kv_heads && fold == o.fold &&
-             exact_first == o.exact_first && flat_cut == o.flat_cut && items == o.items;
-    }
   };
   PlanInputs plan_inputs_;
   cuda_attend::UnitSizes plan_sizes_;

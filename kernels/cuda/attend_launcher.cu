@@ -205,19 +205,24 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     const long capacity =
         wave_units_ > 0 ? wave_units_ : std::max<long>(1, long(known->second) * num_sms_);
     OSCARKV_ASSIGN_OR_RETURN(const bool exact_first, cuda_attend::HasExactFirstKernel(shape));
-    PlanInputs in;
-    in.capacity = capacity;
-    in.kv_heads = H;
-    in.fold = static_cast<int>(fold_exact_);
-    in.exact_first = exact_first;
-    in.flat_cut = cuda_attend::HasTwoHeadKernel(shape);
-    in.items.resize(n);
-    for (int i = 0; i < n; ++i) in.items[i] = {b.items[i].num_pages, b.items[i].num_exact};
-    same_plan = had_plan && in == plan_inputs_;
+    const bool flat_cut = cuda_attend::HasTwoHeadKernel(shape);
+    PlanInputs& in = plan_inputs_;
+    same_plan = had_plan && in.capacity == capacity && in.kv_heads == H &&
+                in.fold == static_cast<int>(fold_exact_) && in.exact_first == exact_first &&
+                in.flat_cut == flat_cut && in.items.size() == size_t(n);
+    for (int i = 0; same_plan && i < n; ++i) {
+      same_plan = in.items[i] == std::make_pair(b.items[i].num_pages, b.items[i].num_exact);
+    }
     if (!same_plan) {
+      in.capacity = capacity;
+      in.kv_heads = H;
+      in.fold = static_cast<int>(fold_exact_);
+      in.exact_first = exact_first;
+      in.flat_cut = flat_cut;
+      in.items.resize(n);
+      for (int i = 0; i < n; ++i) in.items[i] = {b.items[i].num_pages, b.items[i].num_exact};
       plan_sizes_ = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first,
-                                                 in.flat_cut);
-      plan_inputs_ = std::move(in);
+                                                 flat_cut);
     }
     shape.exact_first = plan_sizes_.fold_exact && exact_first;
   }

@@ -168,11 +168,11 @@ bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<Fl
   auto weight_before = [&](long h, long j) {
     return h * head_weight + (j <= exact ? j * cost : exact_weight + (j - exact));
   };
-  // Cut k at the element boundary nearest to the weight round(k x total /
-  // units), kept in step without a division per cut (this runs in every
-  // Prepare: hundreds of units): t = q·k + (r·k + units/2) / units.
+  // Cut k at the element boundary nearest to the weight k x total / units =
+  // t + acc / units, kept in step without a division per cut (this runs in
+  // a Prepare for hundreds of units): t = floor, acc the remainder.
   const long q = total / units, r = total % units;
-  long t = 0, acc = units / 2;
+  long t = 0, acc = 0;
   long th = 0, ts = 0;  // the head of weight t, and its first weight
   long prev = 0, h0 = 0, e0 = 0;  // the unit's first element, as (head, element)
   long w0 = 0;                    // and the weight before it
@@ -187,12 +187,15 @@ bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<Fl
       ++th;
       ts += head_weight;
     }
+    // The target's offset in its head, o + acc / units: among the blocks
+    // (weight `cost` each) or among the pages, rounded to the nearest
+    // boundary.
     long h = th, j;
     const long o = t - ts;
-    if (o <= exact_weight) {
-      j = exact > 0 ? (o + cost / 2) / cost : 0;
+    if (o < exact_weight || (o == exact_weight && acc == 0)) {
+      j = exact > 0 ? (2 * (o * units + acc) + cost * units) / (2 * cost * units) : 0;
     } else {
-      j = std::min(per_head, exact + (o - exact_weight));
+      j = std::min(per_head, exact + (o - exact_weight) + (2 * acc >= units ? 1 : 0));
     }
     long b = k == units ? elements : h * per_head + j;
     const long lo = prev + 1, hi = elements - (units - k);

@@ -550,6 +550,13 @@ TEST(AttendSchedule, FlatCutsCrossKvHeadsAtBlockAndPageBoundaries) {
   EXPECT_TRUE(same(cut[0], unit(0, 0, 2, 0, 0, 1, 0, 4)));
   EXPECT_TRUE(same(cut[1], unit(0, 2, 4, 1, 0, 1, 0, 4)));
   EXPECT_TRUE(same(cut[2], unit(1, 0, 4, 1, 0, 0, 0, 4)));
+  // Cuts at the boundary nearest to the exact even share: 8 heads of 10
+  // blocks (weight 10) and 100 pages in 23 units; cut 12 aims at 834.78,
+  // 34.78 into head 4, so it falls after its block 3 (weight 830), not 4.
+  ASSERT_TRUE(FlatCuts(100, 10, 10, 8, 23, &cut));
+  long before_cut12 = 0;
+  for (int u = 0; u < 12; ++u) before_cut12 += cut[u].weight;
+  EXPECT_EQ(before_cut12, 830);
   // One unit for two heads, or units that would take two heads' blocks: refused.
   EXPECT_FALSE(FlatCuts(5, 1, 1, 2, 1, &cut));
   EXPECT_FALSE(FlatCuts(2, 3, 10, 4, 5, &cut));

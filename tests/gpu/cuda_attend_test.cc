@@ -294,9 +294,14 @@ class ScopedBackend {
  public:
   explicit ScopedBackend(std::initializer_list<std::pair<const char*, std::string>> env)
       : shared_(gpu) {
-    for (const auto& [name, value] : env) setenv(name, value.c_str(), 1);
+    std::vector<std::pair<const char*, std::string>> before;  // what was set
+    for (const auto& [name, value] : env) {
+      if (const char* old = std::getenv(name)) before.push_back({name, old});
+      setenv(name, value.c_str(), 1);
+    }
     auto b = CreateCudaBackend(0);
     for (const auto& [name, value] : env) unsetenv(name);
+    for (const auto& [name, value] : before) setenv(name, value.c_str(), 1);
     status_ = b.status();
     if (b.ok()) {
       own_ = std::move(b).value();
@@ -487,9 +492,11 @@ TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
 // Batches of the same shapes (page and exact block counts) one after the
 // other, as in a decode loop: the launcher reuses its plan (the units and
 // head partials it left in its staging buffer), but each call's own pages,
-// exact blocks and queries must be the ones attended to: new caches at new
-// addresses, with the exact blocks on the history units (their first block
-// is copied into each unit per call) and in exact units of their own.
+// exact blocks and queries must be the ones attended to: new caches (their
+// buffers may come back at the same addresses; ReplayedLaunchesReadThe-
+// PagesOfTheirTime moves the blocks), with the exact blocks on the history
+// units (their first block is copied into each unit per call) and in exact
+// units of their own.
 TEST(CudaAttendLauncher, RepeatedShapesReuseThePlanWithEachCallsOwnBlocks) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   for (const char* fold : {"1", "2"}) {
@@ -828,9 +835,10 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
 // device at that time: after the pages' contents change, each replay equals
 // a new Prepare + Launch, bit for bit. The batch mixes an item with history
 // and exact blocks, one with one page (a single unit per kv head), one with
-// exact blocks only and an empty one; the first results match the CPU. A
-// traced launch of the same batch gives the same results and a well-formed
-// timeline.
+// exact blocks only and an empty one; the first results match the CPU, and
+// so do those of a batch of the same counts with other exact blocks, which
+// reuses the plan. A traced launch of the same batch gives the same results
+// and a well-formed timeline.
 TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   for (const int g : {1, 2, 4, 8}) {
@@ -906,37 +914,94 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
       if (st.ok()) st = L.Launch(stream);
       EXPECT_TRUE(st.ok()) << st;
     };
-    const std::vector<float> first = run(prepare_and_launch);
-    {
-      // Against the CPU backend on the same pages (host copies).
-      std::vector<const uint8_t*> pg_host;
-      for (int p = 0; p < kPages; ++p) {
-        pg_host.push_back(&pages_host[size_t(p) * geom.page_bytes()]);
-      }
-      std::vector<ExactBlockRef> ex_host;
-      for (int b = 0; b < kBlocks; ++b) ex_host.push_back({&staging[b * block_elems], 32 - 7 * b});
+    // Against the CPU backend on the same pages (host copies): `got` from
+    // the items `dev_items`, whose exact blocks are dev_ex's; their host
+    // copies are host_ex.
+    std::vector<const uint8_t*> pg_host;
+    for (int p = 0; p < kPages; ++p) pg_host.push_back(&pages_host[size_t(p) * geom.page_bytes()]);
+    auto expect_cpu_results = [&](const std::vector<float>& got,
+                                  const std::vector<AttendItem>& dev_items,
+                                  const std::vector<ExactBlockRef>& dev_ex,
+                                  const std::vector<ExactBlockRef>& host_ex) {
       std::vector<float> out_cpu(out.size()), lse_cpu(lse.size());
-      std::vector<AttendItem> ic = items;
+      std::vector<AttendItem> ic = dev_items;
       for (int i = 0; i < n; ++i) {
         ic[i].out = &out_cpu[size_t(i) * Hq * D];
         ic[i].lse = &lse_cpu[size_t(i) * Hq];
         ic[i].rotation = rot_host;
         if (ic[i].pages != nullptr) ic[i].pages = pg_host.data() + (ic[i].pages - pg.data());
-        if (ic[i].exact != nullptr) ic[i].exact = ex_host.data() + (ic[i].exact - ex.data());
+        if (ic[i].exact != nullptr) ic[i].exact = host_ex.data() + (ic[i].exact - dev_ex.data());
       }
       ASSERT_TRUE(cpu.Attend(AttendBatch{geom, Hq, scale, ic.data(), n}).ok());
       for (size_t e = 0; e < out.size(); ++e) {
-        ASSERT_NEAR(first[e], out_cpu[e], OutTol(D, D, g) * (1.0f + std::fabs(out_cpu[e])))
+        ASSERT_NEAR(got[e], out_cpu[e], OutTol(D, D, g) * (1.0f + std::fabs(out_cpu[e])))
             << "element " << e;
       }
       for (size_t e = 0; e < lse.size(); ++e) {
-        const float got = first[out.size() + e];
+        const float x = got[out.size() + e];
         if (std::isinf(lse_cpu[e])) {
-          ASSERT_EQ(got, lse_cpu[e]) << "lse " << e;
+          ASSERT_EQ(x, lse_cpu[e]) << "lse " << e;
         } else {
-          ASSERT_NEAR(got, lse_cpu[e], kLseTol * (1.0f + std::fabs(lse_cpu[e]))) << "lse " << e;
+          ASSERT_NEAR(x, lse_cpu[e], kLseTol * (1.0f + std::fabs(lse_cpu[e]))) << "lse " << e;
         }
       }
+    };
+    const std::vector<float> first = run(prepare_and_launch);
+    std::vector<ExactBlockRef> ex_host;
+    for (int b = 0; b < kBlocks; ++b) ex_host.push_back({&staging[b * block_elems], 32 - 7 * b});
+    expect_cpu_results(first, items, ex, ex_host);
+    {
+      // The same page and block counts with other exact blocks (a new
+      // buffer, the last block 5 tokens shorter): the next Prepare reuses
+      // the plan (AttendSchedule::plan_reused) and must attend to the new
+      // blocks. Also with variant 19 planned for a wave of 7 units, whose
+      // flat cut puts kv head 1's blocks and first pages on the unit that
+      // ends head 0 (D 128 with g <= 4; at g = 8 it would run variant 0's
+      // kernel, with one 300-page unit per kv head at that wave, whose fp16
+      // q·K drifts past the 1e-4 bound: 1.2e-4 on the H200, 2026-12-01).
+      std::vector<bf16_bits> blocks2_host =
+          RandomKvRows(size_t(kBlocks) * block_elems / D, D, rng);
+      auto blocks2 = Upload(*gpu, blocks2_host);
+      ASSERT_TRUE(blocks2.ok());
+      std::vector<ExactBlockRef> ex2, ex2_host;
+      for (int b = 0; b < kBlocks; ++b) {
+        const int tokens = 32 - 7 * b - (b == kBlocks - 1 ? 5 : 0);
+        ex2.push_back({blocks2->as<bf16_bits>() + b * block_elems, tokens});
+        ex2_host.push_back({&blocks2_host[b * block_elems], tokens});
+      }
+      std::vector<AttendItem> items2 = items;
+      for (int i = 0; i < n; ++i) {
+        if (items2[i].exact != nullptr) items2[i].exact = ex2.data() + (items[i].exact - ex.data());
+      }
+      const AttendBatch batch2{geom, Hq, scale, items2.data(), n};
+      const int default_variant = L.variant();
+      std::vector<int> variants{default_variant};
+      if (g <= 4) variants.push_back(AttendLauncher::kFlatCutVariant);
+      for (const int variant : variants) {
+        SCOPED_TRACE("variant " + std::to_string(variant));
+        L.set_variant(variant);
+        L.set_wave_units(variant == AttendLauncher::kFlatCutVariant ? 7 : 0);
+        // The plan of `batch`: the last one's for the default (same counts),
+        // a new one for 19 (another capacity).
+        run(prepare_and_launch);
+        EXPECT_EQ(L.schedule().plan_reused, variant == default_variant ? 1 : 0);
+        const std::vector<float> got = run([&] {
+          absl::Status st = L.Prepare(batch2, stream);
+          if (st.ok()) st = L.Launch(stream);
+          EXPECT_TRUE(st.ok()) << st;
+        });
+        const AttendSchedule& sc = L.schedule();
+        EXPECT_EQ(sc.plan_reused, 1);
+        if (variant == AttendLauncher::kFlatCutVariant && g <= 4) {
+          EXPECT_TRUE(sc.flat_cut);
+          EXPECT_GT(sc.next_head_exact, 0);
+          EXPECT_GT(sc.second_parts, 0);
+        }
+        expect_cpu_results(got, items2, ex2, ex2_host);
+      }
+      L.set_variant(default_variant);
+      L.set_wave_units(0);
+      run(prepare_and_launch);
     }
     for (int h = 0; h < Hq; ++h) EXPECT_EQ(lse[size_t(3) * Hq + h], -INFINITY) << "empty item";
     {
