@@ -87,6 +87,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     clear_warp_state();
   };
   const bool has_history = wu.partial >= 0, has_exact = wu.exact_partial >= 0;
+  // (Equal to kv_head but under a flat cut; the other kernels read kv_head,
+  // so their code stays the one measured.)
   const int exact_head = kTwoHeads ? wu.exact_head : wu.kv_head;
   // The exact part: the unit's exact blocks into its exact partial.
   auto run_exact = [&] {

@@ -332,22 +332,27 @@ class AttendLauncher {
   int cluster_blocks_ = cuda_attend::kClusterBlocks;
   std::map<int, int> cluster_capacity_;
 
-  // What the last plan (SizeAttendUnits, FillAttendUnits) was made from. A
-  // Prepare with the same inputs reuses its sizes and, when the layout and
-  // the staging buffer are the same, its work units and head partials where
-  // it wrote them (plan_in_staging_), skipping the planning (~1 us per
-  // call per-head, ~5 for a flat cut, on the dev VM); the fields that vary
-  // per call (the units' exact block references) are written every time. A
-  // decode loop keeps its page counts for up to 32 steps.
-  struct PlanInputs {
+  // What the last plan (SizeAttendUnits, FillAttendUnits) was made from:
+  // its shape and each item's counts. A Prepare with the same inputs
+  // reuses its sizes and, when the layout and the staging buffer are the
+  // same, its work units and head partials where it wrote them
+  // (plan_in_staging_), skipping the planning (~1 us per call per-head, ~5
+  // for a flat cut, on the dev VM); the fields that vary per call (the
+  // units' exact block references) are written every time. A decode loop
+  // keeps its page counts for up to 32 steps.
+  struct PlanShape {
     long capacity = 0;
     int kv_heads = 0;
     int fold = 0;
     bool exact_first = false;
     bool flat_cut = false;
-    std::vector<std::pair<int, int>> items;  // (num_pages, num_exact)
+    bool operator==(const PlanShape& o) const {
+      return capacity == o.capacity && kv_heads == o.kv_heads && fold == o.fold &&
+             exact_first == o.exact_first && flat_cut == o.flat_cut;
+    }
   };
-  PlanInputs plan_inputs_;
+  PlanShape plan_shape_;
+  std::vector<std::pair<int, int>> plan_counts_;  // per item: (num_pages, num_exact)
   cuda_attend::UnitSizes plan_sizes_;
   size_t plan_off_work_ = 0, plan_off_heads_ = 0;
   unsigned long plan_staging_generation_ = 0;

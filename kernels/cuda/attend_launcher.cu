@@ -179,9 +179,9 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   // Work units: exact-only units first (short), then history ranges (which
   // may carry exact blocks) sized so that all units fit in one wave of
   // resident blocks (attend_schedule.h).
-  // A batch of the last plan's shapes reuses it (PlanInputs): its sizes,
-  // and its units and head partials where it left them in the staging
-  // buffer (checked below, once the layout is known).
+  // A batch of the last plan's inputs (plan_shape_, plan_counts_) reuses
+  // it: its sizes, and its units and head partials where it left them in
+  // the staging buffer (checked below, once the layout is known).
   const bool had_plan = plan_in_staging_;
   plan_in_staging_ = false;  // until this Prepare's plan is in place
   bool same_plan = false;
@@ -205,24 +205,17 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     const long capacity =
         wave_units_ > 0 ? wave_units_ : std::max<long>(1, long(known->second) * num_sms_);
     OSCARKV_ASSIGN_OR_RETURN(const bool exact_first, cuda_attend::HasExactFirstKernel(shape));
-    const bool flat_cut = cuda_attend::HasTwoHeadKernel(shape);
-    PlanInputs& in = plan_inputs_;
-    same_plan = had_plan && in.capacity == capacity && in.kv_heads == H &&
-                in.fold == static_cast<int>(fold_exact_) && in.exact_first == exact_first &&
-                in.flat_cut == flat_cut && in.items.size() == size_t(n);
-    for (int i = 0; same_plan && i < n; ++i) {
-      same_plan = in.items[i] == std::make_pair(b.items[i].num_pages, b.items[i].num_exact);
-    }
+    const PlanShape plan_shape{capacity, H, static_cast<int>(fold_exact_), exact_first,
+                               cuda_attend::HasTwoHeadKernel(shape)};
+    auto counts = [&](int i) { return std::make_pair(b.items[i].num_pages, b.items[i].num_exact); };
+    same_plan = had_plan && plan_shape == plan_shape_ && plan_counts_.size() == size_t(n);
+    for (int i = 0; same_plan && i < n; ++i) same_plan = plan_counts_[i] == counts(i);
     if (!same_plan) {
-      in.capacity = capacity;
-      in.kv_heads = H;
-      in.fold = static_cast<int>(fold_exact_);
-      in.exact_first = exact_first;
-      in.flat_cut = flat_cut;
-      in.items.resize(n);
-      for (int i = 0; i < n; ++i) in.items[i] = {b.items[i].num_pages, b.items[i].num_exact};
+      plan_shape_ = plan_shape;
+      plan_counts_.resize(n);
+      for (int i = 0; i < n; ++i) plan_counts_[i] = counts(i);
       plan_sizes_ = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first,
-                                                 flat_cut);
+                                                 plan_shape.flat_cut);
     }
     shape.exact_first = plan_sizes_.fold_exact && exact_first;
   }

@@ -82,6 +82,13 @@ absl::Status CheckAttendBatch(const AttendBatch& b) {
 
 namespace {
 
+// The history units' share of a wave of `capacity` blocks once the exact
+// units have theirs (at least half of it).
+long HistoryShare(long capacity, long exact_units) {
+  capacity = std::max<long>(1, capacity);
+  return std::max({1L, capacity / 2, capacity - exact_units});
+}
+
 // The unit sizes, with the exact blocks of items with history folded onto
 // their history units or not.
 UnitSizes SizeUnits(const AttendItem* items, int n, int H, long capacity, bool fold_exact) {
@@ -117,7 +124,7 @@ UnitSizes SizeUnits(const AttendItem* items, int n, int H, long capacity, bool f
     ++u.exact_per_unit;
   }
   u.exact_units = any_exact ? count_exact(u.exact_per_unit) : 0;
-  const long target = std::max({1L, capacity / 2, capacity - u.exact_units});
+  const long target = HistoryShare(capacity, u.exact_units);
   auto count_history = [&](long p) {
     long c = 0;
     for (int i = 0; i < n; ++i) c += (items[i].num_pages + p - 1) / p;
@@ -240,6 +247,25 @@ bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<Fl
 
 namespace {
 
+// One item's per-head cut (the same for each kv head): units of `ppu`
+// pages, its `exact` folded blocks (0: none ride along) on its first units,
+// weighted by `cost` (FoldedPageCuts, which writes *cuts).
+struct HeadCut {
+  int splits = 0;        // units per kv head
+  int per = 0;           // folded blocks per unit (FoldedExactPerUnit)
+  int exact_splits = 0;  // units per kv head that carry some (FoldedExactSplits)
+};
+HeadCut CutPerHead(long pages, int exact, long ppu, long cost, std::vector<long>* cuts) {
+  HeadCut c;
+  c.splits = pages > 0 ? static_cast<int>((pages + ppu - 1) / ppu) : 0;
+  if (exact > 0 && c.splits > 0) {
+    c.per = FoldedExactPerUnit(exact, c.splits);
+    c.exact_splits = FoldedExactSplits(exact, c.splits);
+  }
+  FoldedPageCuts(pages, c.splits, ppu, exact, c.per, cost, cuts);
+  return c;
+}
+
 // The flat cut of a batch (SizeAttendUnits' flat_cut) on the wave share
 // `target`, from per-head sizes `u`. Items whose share of the wave (in
 // proportion to their weight) is below one unit per kv head take one unit
@@ -324,15 +350,13 @@ bool CutFlat(const AttendItem* items, int n, int H, long target, UnitSizes* u) {
       head_splits[i] = std::max(1, units[i] / H);  // H x that many units at most
       units[i] = 0;
     }
-    // Per head: FillAttendUnits' cut with the item's pages per unit.
+    // Per head, as FillAttendUnits cuts it, with the item's pages per unit.
     head_pages[i] = (pages + head_splits[i] - 1) / head_splits[i];
-    const int splits = static_cast<int>((pages + head_pages[i] - 1) / head_pages[i]);
-    const int per = e > 0 ? FoldedExactPerUnit(e, splits) : 0;
-    FoldedPageCuts(pages, splits, head_pages[i], e, per, cost, &page_cuts);
-    history_units += long(H) * splits;
-    partials += long(H) * (splits + FoldedExactSplits(e, splits));
-    for (int k = 0; k < splits; ++k) {
-      const BlockRange r = FoldedExactBlocks(e, per, k);
+    const HeadCut c = CutPerHead(pages, e, head_pages[i], cost, &page_cuts);
+    history_units += long(H) * c.splits;
+    partials += long(H) * (c.splits + c.exact_splits);
+    for (int k = 0; k < c.splits; ++k) {
+      const BlockRange r = FoldedExactBlocks(e, c.per, k);
       heaviest = std::max(heaviest, page_cuts[k + 1] - page_cuts[k] + cost * (r.end - r.begin));
     }
   }
@@ -368,10 +392,7 @@ UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity, 
     }
   }
   sizes.exact_page_cost = sizes.fold_exact && exact_first ? kFoldedExactPageCost : 0;
-  if (flat_cut) {
-    const long cap = std::max<long>(1, capacity);
-    CutFlat(items, n, H, std::max({1L, cap / 2, cap - sizes.exact_units}), &sizes);
-  }
+  if (flat_cut) CutFlat(items, n, H, HistoryShare(capacity, sizes.exact_units), &sizes);
   return sizes;
 }
 
@@ -482,7 +503,7 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
   }
   for (int i = 0; i < n; ++i) {
     const AttendItem& it = items[i];
-    if (sizes.flat && it.num_pages > 0 && sizes.flat_units[i] > 0) {
+    if (sizes.flat && sizes.flat_units[i] > 0) {
       FillFlatUnits(sizes, flat_cut, i, H, &partial, &w, work, heads);
       flat_cut += sizes.flat_units[i];
       continue;
@@ -490,13 +511,13 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
     // Per head, with the batch's pages per unit, or the item's own when the
     // batch is cut flat.
     const long ppu = sizes.flat ? std::max(1L, sizes.head_pages[i]) : batch_ppu;
-    const int splits = it.num_pages > 0 ? static_cast<int>((it.num_pages + ppu - 1) / ppu) : 0;
+    // Exact blocks riding on this item's first history units.
+    const bool fold = sizes.fold_exact && it.num_pages > 0 && it.num_exact > 0;
+    const HeadCut c = CutPerHead(it.num_pages, fold ? it.num_exact : 0, ppu,
+                                 fold ? sizes.exact_page_cost : 0, &cuts);
+    const int splits = c.splits, esplits = c.exact_splits;
     const int hist_begin = partial;
     partial += H * splits;
-    // Exact blocks riding on this item's first history units.
-    const bool fold = sizes.fold_exact && splits > 0 && it.num_exact > 0;
-    const int esplits = fold ? FoldedExactSplits(it.num_exact, splits) : 0;
-    const int per = fold ? FoldedExactPerUnit(it.num_exact, splits) : 0;
     const int exact_begin = partial;
     if (fold) partial += H * esplits;
     for (int h = 0; h < H; ++h) {
@@ -508,15 +529,13 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
         hp.exact_count = esplits;
       }
     }
-    FoldedPageCuts(it.num_pages, splits, ppu, it.num_exact, per, fold ? sizes.exact_page_cost : 0,
-                   &cuts);
     for (int h = 0; h < H; ++h) {
       for (int s = 0; s < splits; ++s) {
         WorkUnit& u = work[w++] = UnitOf(i, h);
         u.begin = static_cast<int>(cuts[s]);
         u.end = static_cast<int>(cuts[s + 1]);
         u.partial = hist_begin + h * splits + s;
-        const BlockRange r = FoldedExactBlocks(it.num_exact, per, s);
+        const BlockRange r = FoldedExactBlocks(it.num_exact, c.per, s);
         if (r.begin < r.end) {
           u.exact_begin = r.begin;
           u.exact_end = r.end;

@@ -528,28 +528,16 @@ TEST(AttendSchedule, FlatCutsCrossKvHeadsAtBlockAndPageBoundaries) {
                     a.weight) == std::tie(b.head, b.begin, b.end, b.exact_head, b.exact_begin,
                                           b.exact_end, b.next_end, b.weight);
   };
-  auto unit = [](int head, int begin, int end, int exact_head, int eb, int ee, int next_end,
-                 long weight) {
-    FlatUnit f;
-    f.head = head;
-    f.begin = begin;
-    f.end = end;
-    f.exact_head = exact_head;
-    f.exact_begin = eb;
-    f.exact_end = ee;
-    f.next_end = next_end;
-    f.weight = weight;
-    return f;
-  };
-  EXPECT_TRUE(same(cut[0], unit(0, 0, 3, 0, 0, 1, 0, 4)));
-  EXPECT_TRUE(same(cut[1], unit(0, 3, 5, 1, 0, 1, 1, 4)));
-  EXPECT_TRUE(same(cut[2], unit(1, 1, 5, 1, 0, 0, 0, 4)));
+  // FlatUnit{head, begin, end, exact_head, exact_begin, exact_end, next_end, weight}
+  EXPECT_TRUE(same(cut[0], FlatUnit{0, 0, 3, 0, 0, 1, 0, 4}));
+  EXPECT_TRUE(same(cut[1], FlatUnit{0, 3, 5, 1, 0, 1, 1, 4}));
+  EXPECT_TRUE(same(cut[2], FlatUnit{1, 1, 5, 1, 0, 0, 0, 4}));
   // Blocks of weight 2 and 4 pages: the second cut lands on head 1's block
   // boundary, so unit 1 ends with that block and has no second part.
   ASSERT_TRUE(FlatCuts(4, 1, 2, 2, 3, &cut));
-  EXPECT_TRUE(same(cut[0], unit(0, 0, 2, 0, 0, 1, 0, 4)));
-  EXPECT_TRUE(same(cut[1], unit(0, 2, 4, 1, 0, 1, 0, 4)));
-  EXPECT_TRUE(same(cut[2], unit(1, 0, 4, 1, 0, 0, 0, 4)));
+  EXPECT_TRUE(same(cut[0], FlatUnit{0, 0, 2, 0, 0, 1, 0, 4}));
+  EXPECT_TRUE(same(cut[1], FlatUnit{0, 2, 4, 1, 0, 1, 0, 4}));
+  EXPECT_TRUE(same(cut[2], FlatUnit{1, 0, 4, 1, 0, 0, 0, 4}));
   // Cuts at the boundary nearest to the exact even share: 8 heads of 10
   // blocks (weight 10) and 100 pages in 23 units; cut 12 aims at 834.78,
   // 34.78 into head 4, so it falls after its block 3 (weight 830), not 4.
