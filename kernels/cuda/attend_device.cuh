@@ -163,15 +163,17 @@ __device__ __forceinline__ uint32_t KeyCodePair(uint32_t x) {
   return d;
 }
 
-// Field k of bytes 0 and 2 of x as a bf16 pair, exact: 0x4300 | bits is
-// 128 + value in bf16 (7-bit mantissa), so field 3 is shifted down first.
-// Values are c * 4^k for k < 3 and c for k = 3 (see ValueFieldScale).
+// Field k of bytes 0 and 2 of x less a center u as a bf16 pair, exact:
+// 0x4300 | bits is 128 + value in bf16 (7-bit mantissa), so field 3 is
+// shifted down first, and `sub` is 0x4300 | (u << 2k) in both halves
+// (k = 3: 0x4300 | u), u = 0..3. Values are (c - u) * 4^k for k < 3 and
+// c - u for k = 3 (see ValueFieldScale).
 template <int K>
-__device__ __forceinline__ uint32_t ValueCodePair(uint32_t x) {
+__device__ __forceinline__ uint32_t ValueCodePair(uint32_t x, uint32_t sub) {
   const uint32_t v = K < 3 ? ((x & (0x00030003u << (2 * K))) | 0x43004300u)
                            : (((x >> 6) & 0x00030003u) | 0x43004300u);
   uint32_t d;
-  asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(v), "r"(0x43004300u));
+  asm("sub.rn.bf16x2 %0, %1, %2;\n" : "=r"(d) : "r"(v), "r"(sub));
   return d;
 }
 

@@ -221,6 +221,10 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
   float m[2], l[2];
   float vlo[NG][2];
   float o[C::NT][C::MT][4];
+  // The V codes' center u of this chunk (2 and 1 in turn, see
+  // ValueProduct), as a float and in both halves of a word at bits 0-1.
+  float vcen;
+  uint32_t vcen_bits;
 
   __device__ void InitOffsets(const PageGeometry& geom, int h, int lane) {
     Base::InitOffsets(geom, h, lane);
@@ -249,6 +253,8 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
 #pragma unroll
       for (int gi = 0; gi < NG; ++gi) vlo[gi][j] = 0.0f;
     }
+    vcen = 2.0f;
+    vcen_bits = 0x00020002u;
 #pragma unroll
     for (int nt = 0; nt < C::NT; ++nt)
 #pragma unroll
@@ -386,6 +392,8 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
     uint32_t pb[C::NT][NG][2][2];
     Probabilities(x.vp, lg, pb);
     ValueProduct(x, pb);
+    vcen = 3.0f - vcen;  // 2, 1, 2, ...
+    vcen_bits ^= 0x00030003u;
   }
 
   // This lane's max of each of its two heads over its logits of a chunk.
@@ -430,7 +438,8 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
   }
 
   // Probabilities of a chunk at the current running max, P' = p * s_V split
-  // into hi / lo, transposed into B fragments; adds to l and vlo.
+  // into hi / lo, transposed into B fragments; adds to l and vlo (the min
+  // terms, and the chunk's center times P': ValueProduct).
   __device__ __forceinline__ void Probabilities(const uint32_t (&vps)[4][NG],
                                                 const float (&lg)[2][4],
                                                 uint32_t (&pb)[C::NT][NG][2][2]) {
@@ -449,7 +458,7 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
         for (int e = 0; e < 4; ++e) {
           const uint32_t vp = vps[2 * tau + (e >> 1)][gi];
           pp[e] = p[e] * ParamScale(vp);
-          vlo[gi][e & 1] += p[e] * ParamMin(vp);
+          vlo[gi][e & 1] += p[e] * fmaf(vcen, ParamScale(vp), ParamMin(vp));
         }
 #pragma unroll
         for (int nt = 0; nt < C::NT; ++nt) {
@@ -467,9 +476,22 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
     }
   }
 
-  // O' += P' V over the two 16-token tiles of a chunk.
+  // O' += P' (c - u) over the two 16-token tiles of a chunk, u the chunk's
+  // center (vlo holds Σ p·(min + u·s)). The accumulators o are carried
+  // through every chunk of the warp's unit, and the tensor cores' adder
+  // cuts each product at the accumulator's last bit (toward zero): with the
+  // codes as stored (c = 0..3, mean ~1.5) o grows as 1.5·Σ P' while the
+  // output is a small difference of it and the min terms, so a long unit
+  // drifted (H200, 2026-12-02: one 300-page unit per kv head erred by
+  // 1.0-1.3e-4·(1 + |o|) at D 64, 128 and 256, 1e-5 with short units).
+  // Centers 2 and 1 in turn (c - u of mean -0.5, then +0.5) keep o near the
+  // size of the output: 1.0-1.3e-5 on the same units (RESULTS run 27). The
+  // codes stay exact in bf16, and the cost is 1-2 % on this path's long
+  // shapes.
   __device__ __forceinline__ void ValueProduct(const Regs& x,
                                                const uint32_t (&pb)[C::NT][NG][2][2]) {
+    const uint32_t sub[4] = {0x43004300u | vcen_bits, 0x43004300u | (vcen_bits << 2),
+                             0x43004300u | (vcen_bits << 4), 0x43004300u | vcen_bits};
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
 #pragma unroll
@@ -482,8 +504,8 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
 #define OSCARKV_PV_STEP(K)                                                            \
   {                                                                                   \
     constexpr int gi = (K) * NG / 4;                                                  \
-    const uint32_t a0 = ValueCodePair<K>(X), a1 = ValueCodePair<K>(Xs);               \
-    const uint32_t a2 = ValueCodePair<K>(Y), a3 = ValueCodePair<K>(Ys);               \
+    const uint32_t a0 = ValueCodePair<K>(X, sub[K]), a1 = ValueCodePair<K>(Xs, sub[K]); \
+    const uint32_t a2 = ValueCodePair<K>(Y, sub[K]), a3 = ValueCodePair<K>(Ys, sub[K]); \
     _Pragma("unroll") for (int nt = 0; nt < C::NT; ++nt)                              \
         MmaBf16(o[nt][bp * 4 + (K)], a0, a1, a2, a3, pb[nt][gi][tau][0], pb[nt][gi][tau][1]); \
   }

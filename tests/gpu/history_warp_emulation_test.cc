@@ -56,7 +56,9 @@ using Warp12 = HistoryWarpIntPv<kD, 1, false, 2, true>;
 using Warp3 = HistoryWarp<kD, 1, false, true>;
 
 // kLarge: logits near 1000 (base 2), where lg + log2 s_V rounds at ulp(1000).
-enum class Logits { kSpread, kPeaky, kRising, kLarge };
+// kFlat: logits within about one unit, so that every token weighs (a long
+// unit's P'·V then sums thousands of terms of one size).
+enum class Logits { kSpread, kPeaky, kRising, kLarge, kFlat };
 
 struct Input {
   PageGeometry geom{2, kD, kD, kTokensPerChunk};
@@ -115,10 +117,13 @@ struct LogitMap<HistoryWarp<D, NG, G8, kInt>> {
 // Pages of random codes and plausible (scale, min) for warp W's head dim,
 // groups and query format; `zero_rows`: every 7th token's V scale is 0 (a
 // constant row: the encoder's output for one), and every one of the second
-// chunk's.
+// chunk's. `encoded_values`: each V row's min is -1.5 (±0.1) times its
+// scale, as the encoder makes them for rows of mean ~0 (min ≈ -max, scale =
+// (max - min) / 3), so that Σ p·(c·s + min) is a small difference of two
+// large sums, as in the service.
 template <class W>
 Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed,
-                int page_tokens = kTokensPerChunk) {
+                int page_tokens = kTokensPerChunk, bool encoded_values = false) {
   constexpr int head_dim = LogitMap<W>::kHeadDim, groups = LogitMap<W>::kGroups;
   const QueryFormat query = LogitMap<W>::Query();
   Input in;
@@ -148,7 +153,8 @@ Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed
           // terms are dropped, only the min terms count).
           const bool zero = zero_rows && (token % 7 == 3 || token / kTokensPerChunk == 1);
           const float v_scale = zero ? 0.0f : vs(rng);
-          const uint32_t vp = Params(v_scale, vmin(rng));
+          const float v_min = encoded_values ? -v_scale * (1.5f + 0.1f * unit(rng)) : vmin(rng);
+          const uint32_t vp = Params(v_scale, v_min);
           const size_t at = (size_t(t) * groups + gi) * 4;
           std::memcpy(&page[geom.params_offset(h, 0) + at], &kp, 4);
           std::memcpy(&page[geom.params_offset(h, 1) + at], &vp, 4);
@@ -169,7 +175,7 @@ Input MakeInput(int g, int num_pages, Logits kind, bool zero_rows, uint64_t seed
   }
   // Logits spread over a few units either way: integer digits' dot products
   // are ~1e4, fp16 columns' ~10.
-  const float mult = query.fp16 ? 4.0f : 0.004f;
+  const float mult = (query.fp16 ? 4.0f : 0.004f) * (kind == Logits::kFlat ? 0.02f : 1.0f);
   in.qmeta.assign(size_t(geom.kv_heads) * g * kQueryMetaFloats, 0.0f);
   for (int hh = 0; hh < geom.kv_heads * g; ++hh) {
     in.qmeta[size_t(hh) * kQueryMetaFloats + 0] = mult * (1.0f + 0.25f * (hh % 4));
@@ -497,6 +503,44 @@ TEST(HistoryWarpEmulation, OtherShapesMatchFp64) {
   CheckHistoryWarp<256, 1, true, false>("D256 G256 g8", 8, 3, Logits::kPeaky);
 }
 
+// Variant 0's warp at g = 8 (D 128, fp16 q·K, bf16 hi / lo P'·V on the float
+// tensor cores: the default's kernel at g = 8 and at head dims 64 and 256)
+// over long units, every token weighing (flat logits) and V rows as the
+// encoder makes them, under both of the emulation's float mma sums. The
+// warp's P'·V accumulators are carried through every mma of its unit; the
+// truncating adder cuts each product at the accumulator's last bit, so the
+// accumulators must stay near the output's size: HistoryWarp::ValueProduct
+// centers the codes (2 and 1 in turn). Measured here with the codes as
+// stored (c = 0..3, no center): 8.3e-5 at 75 chunks and 1.2e-3 at 300 with
+// truncating sums, 7e-6 and 3.5e-5 with fused ones; a fixed center of 2:
+// 4.4e-6 and 5.3e-5 truncating; the centers in turn: 3.4e-6 and 2.7e-6
+// (dev VM, 2026-12-02). 75 chunks per warp is one 300-page unit, where the
+// H200 erred by 1.0e-4·(1 + |o|) before the centers (RESULTS run 27).
+constexpr double kLongUnitTol = 2e-5;
+
+TEST(HistoryWarpEmulation, FloatValueProductStaysAccurateOverLongUnitsOfTruncatingSums) {
+  using W = HistoryWarp<kD, 1, true, false>;
+  struct RestoreSums {
+    ~RestoreSums() { warp_emulation::SetFloatMmaSums(warp_emulation::FloatMmaSums::kRoundToNearest); }
+  } restore;
+  for (const int chunks : {8, 75, 300}) {
+    SCOPED_TRACE(testing::Message() << chunks << " chunks");
+    const Input in = MakeInput<W>(8, chunks, Logits::kFlat, false, 7000 + chunks,
+                                  kTokensPerChunk, /*encoded_values=*/true);
+    warp_emulation::SetFloatMmaSums(warp_emulation::FloatMmaSums::kRoundToNearest);
+    const Errors fused = CompareWithFp64(in, RunHistoryWarp<W>(in));
+    warp_emulation::SetFloatMmaSums(warp_emulation::FloatMmaSums::kAlignedTruncation);
+    const Errors cut = CompareWithFp64(in, RunHistoryWarp<W>(in));
+    std::printf("g8 fp16 q, flat logits, encoded V rows, %3d chunks: o err %.2e (fused sums), "
+                "%.2e (truncating sums); l err %.1e / %.1e\n",
+                chunks, fused.o, cut.o, fused.l, cut.l);
+    EXPECT_LT(fused.o, kLongUnitTol);
+    EXPECT_LT(cut.o, kLongUnitTol);
+    EXPECT_LT(fused.l, kSumTol);
+    EXPECT_LT(cut.l, kSumTol);
+  }
+}
+
 // The emulation's own operations on known values, so that a wrong lane
 // layout shows up here and not only as an attention error.
 TEST(WarpEmulation, ShufflesTransposeAndIntegerMma) {
@@ -530,6 +574,35 @@ TEST(WarpEmulation, ShufflesTransposeAndIntegerMma) {
   EXPECT_EQ(any_ok, 32);
   EXPECT_EQ(cuda_attend::Prmt(0x33221100u, 0x77665544u, 0x5140u), 0x55114400u);
   EXPECT_EQ(cuda_attend::Prmt(0x00008000u, 0u, 0x0009u), 0x000000ffu);  // sign replicate
+}
+
+// The emulated float mma's two sums on one case: c = 1 + 2^-23 (1 + ulp)
+// and 16 products of 2^-24 (half an ulp each). Fused sums round each fma to
+// nearest even: the first goes up to 1 + 2 ulp, the others tie back to it.
+// The truncating model cuts every product to 0 at c's last bit: c stays.
+TEST(WarpEmulation, TruncatingFloatMmaSumsCutAddendsAtTheAccumulatorsLastBit) {
+  struct RestoreSums {
+    ~RestoreSums() { warp_emulation::SetFloatMmaSums(warp_emulation::FloatMmaSums::kRoundToNearest); }
+  } restore;
+  const float ulp = std::ldexp(1.0f, -23);
+  float got[2] = {0, 0};
+  for (const int mode : {0, 1}) {
+    warp_emulation::SetFloatMmaSums(mode == 0 ? warp_emulation::FloatMmaSums::kRoundToNearest
+                                              : warp_emulation::FloatMmaSums::kAlignedTruncation);
+    std::mutex mu;
+    warp_emulation::RunWarp([&](int lane) {
+      // A = 1 everywhere (bf16 0x3f80), B = 2^-24 everywhere (bf16 0x3380).
+      float c[4] = {1.0f + ulp, 0.0f, 0.0f, 0.0f};
+      cuda_attend::MmaBf16(c, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x3f803f80u, 0x33803380u,
+                           0x33803380u);
+      if (lane == 0) {
+        std::lock_guard<std::mutex> lock(mu);
+        got[mode] = c[0];
+      }
+    });
+  }
+  EXPECT_EQ(got[0], 1.0f + 2 * ulp) << "fused sums";
+  EXPECT_EQ(got[1], 1.0f + ulp) << "truncating sums: every 2^-24 addend is cut at c's last bit";
 }
 
 // The mma fragments with distinct values against plain matrix products,

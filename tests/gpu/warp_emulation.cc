@@ -1,10 +1,14 @@
 #include "tests/gpu/warp_emulation.h"
 
+#include <algorithm>
+#include <atomic>
 #include <chrono>
+#include <cmath>
 #include <condition_variable>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -93,6 +97,13 @@ void ExchangeBytes(const void* mine, int bytes, void* all) {
 }
 
 void SyncWarp() { Current().Barrier(); }
+
+namespace {
+std::atomic<FloatMmaSums> g_float_mma_sums{FloatMmaSums::kRoundToNearest};
+}  // namespace
+
+void SetFloatMmaSums(FloatMmaSums sums) { g_float_mma_sums.store(sums); }
+FloatMmaSums GetFloatMmaSums() { return g_float_mma_sums.load(); }
 
 float HalfLo(uint32_t w) { return Fp16ToFloat(static_cast<fp16_bits>(w & 0xffffu)); }
 float HalfHi(uint32_t w) { return Fp16ToFloat(static_cast<fp16_bits>(w >> 16)); }
@@ -194,6 +205,28 @@ struct MmaRegs {
 };
 
 
+// FloatMmaSums::kAlignedTruncation's sum of 17 exact terms (each a product
+// of two 16-bit floats, or the fp32 accumulator): every term cut toward
+// zero to a multiple of 2^(e - 24), e the largest exponent among them (x =
+// f·2^e, f in [0.5, 1)), the exact sum (at most 2^29 such units: exact in a
+// double) cut toward zero to fp32.
+float AlignedTruncatedSum(const double (&terms)[17]) {
+  int e_max = std::numeric_limits<int>::min();
+  for (const double x : terms) {
+    if (x == 0.0) continue;
+    int e = 0;
+    std::frexp(x, &e);
+    e_max = std::max(e_max, e);
+  }
+  if (e_max == std::numeric_limits<int>::min()) return 0.0f;
+  const double unit = std::ldexp(1.0, e_max - 24);
+  double sum = 0.0;
+  for (const double x : terms) sum += std::trunc(x / unit) * unit;
+  float f = static_cast<float>(sum);
+  if (std::fabs(double(f)) > std::fabs(sum)) f = std::nextafter(f, 0.0f);
+  return f;
+}
+
 // Float mma m16n8k16 (row.col): A 16x16 and B 16x8 elements from the lanes'
 // fragments, with `lo` / `hi` reading a register's two 16-bit elements.
 template <class Lo, class Hi>
@@ -214,8 +247,17 @@ void MmaFloat16(float (&c)[4], const MmaRegs& mine, Lo lo, Hi hi) {
     }
   }
   const int lane = Lane(), g = lane >> 2, t = lane & 3;
+  const bool truncate = warp_emulation::GetFloatMmaSums() ==
+                        warp_emulation::FloatMmaSums::kAlignedTruncation;
   for (int i = 0; i < 4; ++i) {
     const int row = g + (i >= 2 ? 8 : 0), col = 2 * t + (i & 1);
+    if (truncate) {
+      double terms[17];
+      terms[16] = c[i];
+      for (int k = 0; k < 16; ++k) terms[k] = double(A[row][k]) * double(B[k][col]);  // exact
+      c[i] = AlignedTruncatedSum(terms);
+      continue;
+    }
     float sum = c[i];
     for (int k = 0; k < 16; ++k) sum = std::fma(A[row][k], B[k][col], sum);
     c[i] = sum;

@@ -71,6 +71,24 @@ std::array<T, kLanes> Exchange(const T& mine) {
 // A barrier of the 32 lanes (__syncwarp).
 void SyncWarp();
 
+// How an emulated float mma.sync (f16 / bf16 inputs, f32 accumulator) adds
+// its 16 products to the accumulator c:
+// - kRoundToNearest (the default): one fp32 fma per product, in k order;
+// - kAlignedTruncation: a model of the tensor cores' adder, after Fasi,
+//   Higham, Mikaitis and Pranesh, "Numerical behavior of NVIDIA tensor
+//   cores" (PeerJ CS, 2021): the products are exact, every term (c and the
+//   16 products) is aligned to the largest exponent among them and cut
+//   toward zero to 24 bits there, the sum is exact and cut toward zero to
+//   fp32. Every addend smaller than c loses its bits below c's last bit, so a
+//   sum of same-sign terms drifts toward zero by up to 16 ulp(c) per mma.
+//   A model, not the H200's adder: it gives a long unit's drift the size
+//   the H200 showed (history_warp_emulation_test's long-unit test), not its
+//   bits.
+// Process-wide; set it outside RunWarp.
+enum class FloatMmaSums { kRoundToNearest, kAlignedTruncation };
+void SetFloatMmaSums(FloatMmaSums sums);
+FloatMmaSums GetFloatMmaSums();
+
 // fp16 / bf16 halves of a 32-bit word as floats, and back (round to nearest).
 float HalfLo(uint32_t w);
 float HalfHi(uint32_t w);
@@ -160,7 +178,7 @@ float FastLog2(float x);
 float FastRcp(float x);
 
 // As attend_device.cuh's: field K of bytes 0 and 2 of x as an exact fp16 pair
-// (c·4^K) and as an exact bf16 pair (c·4^K for K < 3, c for K = 3).
+// (c·4^K) and, less a center (see attend_device.cuh), as an exact bf16 pair.
 template <int K>
 uint32_t KeyCodePair(uint32_t x) {
   const uint32_t v = (x & (0x00030003u << (2 * K))) | 0x64006400u;
@@ -169,12 +187,12 @@ uint32_t KeyCodePair(uint32_t x) {
   return warp_emulation::PackHalves(HalfLo(v) - 1024.0f, HalfHi(v) - 1024.0f);
 }
 template <int K>
-uint32_t ValueCodePair(uint32_t x) {
+uint32_t ValueCodePair(uint32_t x, uint32_t sub) {
   const uint32_t v = K < 3 ? ((x & (0x00030003u << (2 * K))) | 0x43004300u)
                            : (((x >> 6) & 0x00030003u) | 0x43004300u);
   using warp_emulation::Bf16Hi;
   using warp_emulation::Bf16Lo;
-  return warp_emulation::PackBf16s(Bf16Lo(v) - 128.0f, Bf16Hi(v) - 128.0f);
+  return warp_emulation::PackBf16s(Bf16Lo(v) - Bf16Lo(sub), Bf16Hi(v) - Bf16Hi(sub));
 }
 
 }  // namespace cuda_attend
