@@ -8,7 +8,10 @@
 //   the outputs of batches that run the 16-bit P' path (kOutTol16, OutTol).
 //   The GPU computes q·k with fp16 hi/lo query columns or int8 query digits
 //   and exact codes (fp32-level), and p·v with bf16 hi/lo probabilities
-//   (~2^-17 of each term) or with P' as 24-bit fixed point of each chunk's
+//   (~2^-17 of each term) times the V codes less a center (2 and 1 in turn:
+//   the tensor cores' truncating adder made uncentered sums drift over long
+//   units, ~1e-4 at 300 pages per unit; LongUnitsOfTheFloatValuePath-
+//   MatchReference) or with P' as 24-bit fixed point of each chunk's
 //   bound (variants 6, 7: ~2^-23 of it per term): errors of 1e-6..1e-5. The
 //   default for D = 128, G = D, g <= 4 (variant 14, as 8) keeps P' in 16-bit fixed
 //   point of each chunk's max P' (2^-17 of it per term), and the min term
