@@ -9,8 +9,9 @@
 //       to the 8 logits per thread afterwards: logit = s·(c·q') + min·Σq'.
 //   O' += P'·V with P' = p·s_V split into bf16 hi + lo columns, transposed in
 //       registers (movmatrix) into the B operand; A = 16 dims x 16 tokens of
-//       V codes (byte-permuted pairs of tokens) as exact bf16 values; the
-//       min_V part is a per-head scalar Σ p·min_V.
+//       V codes (byte-permuted pairs of tokens) less a center u (2 and 1 in
+//       turn per chunk) as exact bf16 values; the rest is a scalar per head
+//       and group, Σ p·(min_V + u·s_V).
 // Every code byte and parameter of the page is read from memory exactly once
 // for the whole GQA group (the group is the MMA's N dimension).
 // That is HistoryWarp (attend_history.cuh). The default for D = 128, G = D and

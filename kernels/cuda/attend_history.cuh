@@ -483,7 +483,7 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
   // codes as stored (c = 0..3, mean ~1.5) o grows as 1.5·Σ P' while the
   // output is a small difference of it and the min terms, so a long unit
   // drifted (H200, 2026-12-02: one 300-page unit per kv head erred by
-  // 1.0-1.3e-4·(1 + |o|) at D 64, 128 and 256, 1e-5 with short units).
+  // 1.0-1.3e-4·(1 + |o|) at D 64, 128 and 256, ~2e-6 with short units).
   // Centers 2 and 1 in turn (c - u of mean -0.5, then +0.5) keep o near the
   // size of the output: 1.0-1.3e-5 on the same units (RESULTS run 27). The
   // codes stay exact in bf16, and the cost is 1-2 % on this path's long

@@ -505,9 +505,12 @@ TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
 // warp's P'·V accumulators are carried through all of them; the tensor
 // cores' adder cuts every product at the accumulator's last bit, so the
 // accumulator must stay small: the codes are centered (HistoryWarp::
-// ValueProduct). With the codes as they are (c·s + min, the sum of c·s
-// ~1.5 s per unit of weight) this case drifted to 1.2e-4·(1 + |o|) (H200,
-// 2026-12-01, the replay test at g = 8).
+// ValueProduct). Without the centers (c·s + min, the sum of c·s ~1.5 s per
+// unit of weight) these units erred by 1.02-1.28e-4·(1 + |o|) elementwise
+// against fp64, relative L2 2.5-3.9e-5; with them 1.0-1.25e-5 and 2.7-4.1e-6
+// (H200, 2026-12-02, RESULTS run 27). Held to kLongUnitTol elementwise:
+// 3x above the centered figures, 2.5x below the uncentered ones.
+constexpr double kLongUnitTol = 4e-5;
 TEST(CudaAttendVariant, LongUnitsOfTheFloatValuePathMatchReference) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   // Each shape in 2 units (one per kv head), with the exact blocks after the
@@ -541,8 +544,8 @@ TEST(CudaAttendVariant, LongUnitsOfTheFloatValuePathMatchReference) {
       // One unit per kv head (with its exact blocks, if folded).
       if (wave == 2) EXPECT_GE(pages_per_unit, 300);
       ExpectWithinTolerance(cf, e);
-      EXPECT_LT(e.elem_gpu_ref, kOutTol);
-      EXPECT_LT(e.elem_gpu_cpu, kOutTol);
+      EXPECT_LT(e.elem_gpu_ref, kLongUnitTol);
+      EXPECT_LT(e.elem_gpu_cpu, kLongUnitTol);
     }
   }
 }

@@ -514,8 +514,9 @@ TEST(HistoryWarpEmulation, OtherShapesMatchFp64) {
 // stored (c = 0..3, no center): 8.3e-5 at 75 chunks and 1.2e-3 at 300 with
 // truncating sums, 7e-6 and 3.5e-5 with fused ones; a fixed center of 2:
 // 4.4e-6 and 5.3e-5 truncating; the centers in turn: 3.4e-6 and 2.7e-6
-// (dev VM, 2026-12-02). 75 chunks per warp is one 300-page unit, where the
-// H200 erred by 1.0e-4·(1 + |o|) before the centers (RESULTS run 27).
+// (dev VM, 2026-12-02; relative L2 of o). 75 chunks per warp is one 300-page
+// unit, where the H200 erred by 3.2e-5 relative L2 (1.0e-4·(1 + |o|) in one
+// element) before the centers (RESULTS run 27).
 constexpr double kLongUnitTol = 2e-5;
 
 TEST(HistoryWarpEmulation, FloatValueProductStaysAccurateOverLongUnitsOfTruncatingSums) {

@@ -80,10 +80,10 @@ void SyncWarp();
 //   16 products) is aligned to the largest exponent among them and cut
 //   toward zero to 24 bits there, the sum is exact and cut toward zero to
 //   fp32. Every addend smaller than c loses its bits below c's last bit, so a
-//   sum of same-sign terms drifts toward zero by up to 16 ulp(c) per mma.
-//   A model, not the H200's adder: it gives a long unit's drift the size
-//   the H200 showed (history_warp_emulation_test's long-unit test), not its
-//   bits.
+//   sum of same-sign terms drifts toward zero by up to 17 ulp(c) per mma.
+//   A model, not the H200's adder: it gives a long unit's drift the order
+//   of size the H200 showed (history_warp_emulation_test's long-unit test),
+//   not its bits.
 // Process-wide; set it outside RunWarp.
 enum class FloatMmaSums { kRoundToNearest, kAlignedTruncation };
 void SetFloatMmaSums(FloatMmaSums sums);
