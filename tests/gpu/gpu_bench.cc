@@ -13,6 +13,9 @@
 // next to the same two figures of SDPA.
 //
 //   oscarkv_gpu_bench [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]
+//                     [--q-heads 32|40|48|56|64]  (query heads over the 8 kv heads, default 32:
+//                                                 64 is g = 8, whose default runs the float
+//                                                 P'·V path; give sdpa_baseline.py the same)
 //                     [--variant N[,N...]]  (split-kernel variants, see AttendLauncher::set_variant;
 //                                            default: all, one table row each; with a list,
 //                                            every listed variant gets the stage breakdown)
@@ -204,6 +207,7 @@ int Main(int argc, char** argv) {
   int fold_exact = 0;
   int trace_calls = 0;
   bool trace_twice = false;
+  int q_heads = 32;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--baseline" && i + 1 < argc) baseline_path = argv[++i];
@@ -214,6 +218,7 @@ int Main(int argc, char** argv) {
     else if (a == "--fold" && i + 1 < argc) fold_exact = std::atoi(argv[++i]);
     else if (a == "--trace" && i + 1 < argc) trace_calls = std::atoi(argv[++i]);
     else if (a == "--trace-twice") trace_twice = true;  // with --trace
+    else if (a == "--q-heads" && i + 1 < argc) q_heads = std::atoi(argv[++i]);
     else if (a == "--variant" && i + 1 < argc) {
       // One variant or a comma-separated list.
       for (const char* p = argv[++i]; *p != '\0';) {
@@ -227,10 +232,14 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] "
                    "[--only B1_S131072] [--variant N[,N...]] [--ablate BITS] [--fold 0|1|2] "
-                   "[--trace N [--trace-twice]]\n",
+                   "[--trace N [--trace-twice]] [--q-heads 32..64, a multiple of 8]\n",
                    argv[0]);
       return 2;
     }
+  }
+  if (q_heads < 8 || q_heads > 64 || q_heads % 8 != 0) {
+    std::fprintf(stderr, "--q-heads must be a multiple of the 8 kv heads, at most 64 (8 per kv head)\n");
+    return 2;
   }
   if (trace_twice && trace_calls <= 0) {
     std::fprintf(stderr, "--trace-twice needs --trace N (N > 0)\n");
@@ -432,7 +441,15 @@ int Main(int argc, char** argv) {
   }
 
   // 3. Attention.
-  const int Hq = 32, D = 128, kExactBlocks = 320;
+  const int Hq = q_heads, D = 128, kExactBlocks = 320;
+  if (baseline.is_object() && baseline.value("q_heads", 32) != Hq) {
+    std::fprintf(stderr, "the baseline %s was timed with %d q heads, this run has %d (pass the "
+                 "same --q-heads to sdpa_baseline.py)\n",
+                 baseline_path.c_str(), baseline.value("q_heads", 32), Hq);
+    return 2;
+  }
+  std::printf("\nattention: %d q / 8 kv heads (%d per kv head), D %d\n", Hq, Hq / 8, D);
+  out["q_heads"] = Hq;
   const float scale = 1.0f / std::sqrt(float(D));
   const std::vector<Shape> shapes = {{1, 8192}, {1, 32768}, {1, 65536}, {1, 131072},
                                      {8, 32768}, {8, 65536}};

@@ -7,7 +7,8 @@ calls issued one by one (sdpa_us) and batches queued behind a spin kernel (GPU
 side, sdpa_gpu_us); k/v rotate
 over several buffers so that L2 never holds them; random inputs.
 
-usage: sdpa_baseline.py --json sdpa.json [--iters 200]
+usage: sdpa_baseline.py --json sdpa.json [--iters 200] [--q-heads 32]
+(--q-heads: query heads over the 8 kv heads, as gpu_bench's --q-heads)
 """
 import argparse
 import json
@@ -60,11 +61,12 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--json", required=True)
     ap.add_argument("--iters", type=int, default=200)
+    ap.add_argument("--q-heads", type=int, default=32)
     args = ap.parse_args()
     dev = torch.device("cuda")
     torch.manual_seed(0)
     out = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "sdpa_us": {},
-           "sdpa_gpu_us": {}}
+           "sdpa_gpu_us": {}, "q_heads": args.q_heads}
 
     n = 1 << 28  # 512 MiB of bf16
     a = torch.empty(n, dtype=torch.bfloat16, device=dev).normal_()
@@ -78,7 +80,7 @@ def main():
     for batch, s in SHAPES:
         kv_bytes = 2 * batch * 8 * s * 128 * 2
         sets = max(2, min(8, (4 * L2_BYTES) // kv_bytes + 1))
-        q = torch.randn(batch, 32, 1, 128, dtype=torch.bfloat16, device=dev)
+        q = torch.randn(batch, args.q_heads, 1, 128, dtype=torch.bfloat16, device=dev)
         ks = [torch.randn(batch, 8, s, 128, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
         vs = [torch.randn(batch, 8, s, 128, dtype=torch.bfloat16, device=dev) for _ in range(sets)]
         with sdpa_kernel([SDPBackend.CUDNN_ATTENTION]):
