@@ -693,6 +693,13 @@ int AttendLauncher::ResolveVariant(int variant, long history_token_heads, int nu
                                                                               : kAutoLightVariant;
 }
 
+bool AttendLauncher::UsesIntegerValueProduct(int variant, int head_dim, int group_size,
+                                             int gqa) {
+  if (variant == kAutoVariant) variant = kAutoLightVariant;
+  return group_size > 0 &&
+         cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
+}
+
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {
   // Both of auto's variants have the same shapes and P'.
   if (variant == kAutoVariant) variant = kAutoLightVariant;

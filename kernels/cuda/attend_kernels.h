@@ -51,6 +51,9 @@ struct AttendSchedule {
   int cluster_blocks = 0;
   // The split-kernel variant that ran (variant 18 resolves to 14 or 19).
   int variant = 0;
+  // Its kernel for this shape runs P·V on the integer tensor cores (else the
+  // float path: UsesIntegerValueProduct).
+  bool integer_pv = false;
   int merge_slice = 32;  // output dims per merge block (32 or 64)
   int plan_reused = 0;   // 1: the units of the last Prepare, whose shapes were the same
   // Variant 19: some items' history cut flat over their kv heads; units
@@ -207,6 +210,11 @@ class AttendLauncher {
   // errors up to ~5e-4 of the output's scale, against ~1e-6 for the other
   // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
   static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);
+  // Whether a batch of this shape runs P·V on the integer tensor cores under
+  // `variant` (variants 6-17 and 19 for D = 128, G = D, g <= 4); other
+  // shapes run the float path (HistoryWarp: fp16 / bf16 hi-lo products,
+  // the g = 8 kernel at 8 query heads per kv head), whatever the variant.
+  static bool UsesIntegerValueProduct(int variant, int head_dim, int group_size, int gqa);
 
   // Blocks per cluster of variant 11's cluster kernel: 8 (the default), 4
   // or 16; other sizes run the default variant. The environment variable

@@ -481,6 +481,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.pages_uploaded = table_pages + new_entries;
   schedule_.clusters_per_head = shape.cluster_blocks > 0 ? clusters_per_head : 0;
   schedule_.variant = shape.variant;
+  schedule_.integer_pv = UsesIntegerValueProduct(shape.variant, D, geom.group_size, g);
   schedule_.merge_slice = shape.merge_slice;
   schedule_.flat_cut = sizes.flat;
   schedule_.plan_reused = plan_reused ? 1 : 0;

@@ -498,6 +498,22 @@ TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
   }
 }
 
+// Which shapes run P·V on the integer tensor cores (the schedule's
+// integer_pv, the benchmark's label): D 128, G = D, at most 4 query heads
+// per kv head, variants 6-17 and 19 (and auto); no device needed.
+TEST(CudaAttendLauncher, IntegerValueProductShapes) {
+  using L = AttendLauncher;
+  EXPECT_TRUE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 4));
+  EXPECT_TRUE(L::UsesIntegerValueProduct(L::kFlatCutVariant, 128, 128, 1));
+  EXPECT_TRUE(L::UsesIntegerValueProduct(6, 128, 128, 2));
+  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 8));  // g = 8
+  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 64, 64, 4));
+  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 256, 256, 4));
+  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 64, 4));  // two groups
+  EXPECT_FALSE(L::UsesIntegerValueProduct(3, 128, 128, 4));
+  EXPECT_FALSE(L::UsesIntegerValueProduct(0, 128, 128, 4));
+}
+
 // Long units on the float P'·V path (bf16 hi / lo P' on the float tensor
 // cores: the default's kernel at g = 8 and at head dims 64 and 256): planned
 // for a wave of 2 units, each kv head's 300 pages (9600 tokens) are one unit,
@@ -533,7 +549,7 @@ TEST(CudaAttendVariant, LongUnitsOfTheFloatValuePathMatchReference) {
         ASSERT_TRUE(L.Prepare(batch, nullptr).ok());
         ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
         pages_per_unit = L.schedule().pages_per_unit;
-        EXPECT_FALSE(AttendLauncher::UsesFixedPoint16(L.schedule().variant, dim, dim, gqa));
+        EXPECT_FALSE(L.schedule().integer_pv) << "the float path's kernel";
       };
       const Errors e = RunConfig(cf, 321 + dim + gqa, 1, plan);
       std::printf("float-path units (D %d g %d, wave %ld, fold %s, %d pages per unit): rel err gpu/ref "

@@ -682,10 +682,12 @@ int Main(int argc, char** argv) {
                   sched.history_units, sched.clusters_per_head, sched.cluster_blocks);
     } else {
       const char* flat = " at most, exact blocks counted as pages, cut flat over the kv heads";
-      std::printf("units: %d exact + %d history (%d pages each%s), %d partials; ran v%d, "
+      std::printf("units: %d exact + %d history (%d pages each%s), %d partials; ran v%d%s, "
                   "merge slices of %d dims\n",
                   sched.exact_units, sched.history_units, sched.pages_per_unit,
-                  sched.flat_cut ? flat : "", sched.partials, sched.variant, sched.merge_slice);
+                  sched.flat_cut ? flat : "", sched.partials, sched.variant,
+                  sched.integer_pv ? "" : " (its float P'V kernel at this shape)",
+                  sched.merge_slice);
     }
     for (const CallTimes* ct : {&unnamed, &named}) {
       const double* h = ct->host_us;
