@@ -552,11 +552,11 @@ TEST(CudaAttendVariant, LongUnitsOfTheFloatValuePathMatchReference) {
         EXPECT_FALSE(L.schedule().integer_pv) << "the float path's kernel";
       };
       const Errors e = RunConfig(cf, 321 + dim + gqa, 1, plan);
-      std::printf("float-path units (D %d g %d, wave %ld, fold %s, %d pages per unit): rel err gpu/ref "
-                  "%.2e cpu/ref %.2e gpu/cpu %.2e; element gpu/ref %.2e cpu/ref %.2e gpu/cpu "
-                  "%.2e; lse gpu/ref %.2e\n",
-                  dim, gqa, wave, fold, pages_per_unit, e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.elem_gpu_ref,
-                  e.elem_cpu_ref, e.elem_gpu_cpu, e.lse_gpu_ref);
+      std::printf("float-path units (D %d g %d, wave %ld, fold %s, %d pages per unit): rel err "
+                  "gpu/ref %.2e cpu/ref %.2e gpu/cpu %.2e; element gpu/ref %.2e cpu/ref %.2e "
+                  "gpu/cpu %.2e; lse gpu/ref %.2e\n",
+                  dim, gqa, wave, fold, pages_per_unit, e.gpu_ref, e.cpu_ref, e.gpu_cpu,
+                  e.elem_gpu_ref, e.elem_cpu_ref, e.elem_gpu_cpu, e.lse_gpu_ref);
       // One unit per kv head (with its exact blocks, if folded).
       if (wave == 2) EXPECT_GE(pages_per_unit, 300);
       ExpectWithinTolerance(cf, e);

@@ -238,7 +238,8 @@ int Main(int argc, char** argv) {
     }
   }
   if (q_heads < 8 || q_heads > 64 || q_heads % 8 != 0) {
-    std::fprintf(stderr, "--q-heads must be a multiple of the 8 kv heads, at most 64 (8 per kv head)\n");
+    std::fprintf(stderr,
+                 "--q-heads must be a multiple of the 8 kv heads, at most 64 (8 per kv head)\n");
     return 2;
   }
   if (trace_twice && trace_calls <= 0) {

@@ -519,11 +519,17 @@ TEST(HistoryWarpEmulation, OtherShapesMatchFp64) {
 // element) before the centers (RESULTS run 27).
 constexpr double kLongUnitTol = 2e-5;
 
+// Puts the emulation's float mma sums back to their default at the end of a
+// test that switches them.
+struct RestoreFloatMmaSums {
+  ~RestoreFloatMmaSums() {
+    warp_emulation::SetFloatMmaSums(warp_emulation::FloatMmaSums::kRoundToNearest);
+  }
+};
+
 TEST(HistoryWarpEmulation, FloatValueProductStaysAccurateOverLongUnitsOfTruncatingSums) {
   using W = HistoryWarp<kD, 1, true, false>;
-  struct RestoreSums {
-    ~RestoreSums() { warp_emulation::SetFloatMmaSums(warp_emulation::FloatMmaSums::kRoundToNearest); }
-  } restore;
+  RestoreFloatMmaSums restore;
   for (const int chunks : {8, 75, 300}) {
     SCOPED_TRACE(testing::Message() << chunks << " chunks");
     const Input in = MakeInput<W>(8, chunks, Logits::kFlat, false, 7000 + chunks,
@@ -582,9 +588,7 @@ TEST(WarpEmulation, ShufflesTransposeAndIntegerMma) {
 // nearest even: the first goes up to 1 + 2 ulp, the others tie back to it.
 // The truncating model cuts every product to 0 at c's last bit: c stays.
 TEST(WarpEmulation, TruncatingFloatMmaSumsCutAddendsAtTheAccumulatorsLastBit) {
-  struct RestoreSums {
-    ~RestoreSums() { warp_emulation::SetFloatMmaSums(warp_emulation::FloatMmaSums::kRoundToNearest); }
-  } restore;
+  RestoreFloatMmaSums restore;
   const float ulp = std::ldexp(1.0f, -23);
   float got[2] = {0, 0};
   for (const int mode : {0, 1}) {
