@@ -14,44 +14,53 @@ constexpr int kMaxGroup = 64;   // query heads per kv head handled in one pass
 constexpr int kMaxDim = 256;
 constexpr int kChunk = 32;      // tokens whose logits are computed before one rescale
 
-// 16-float vectors (GCC vector extension: zmm with AVX-512, two ymm with AVX2).
-typedef float V16 __attribute__((vector_size(64)));
-typedef float V16u __attribute__((vector_size(64), aligned(4)));
-inline V16 Load(const float* p) { return *reinterpret_cast<const V16u*>(p); }
-inline void Store(float* p, V16 v) { *reinterpret_cast<V16u*>(p) = v; }
-inline float HSum(V16 v) {
+// The host's widest float vectors (GCC vector extension): 16 floats in a zmm
+// with AVX-512, else 8 (a ymm with AVX2). The code was first written for 16
+// floats only; on an AVX2-only host each was two ymm, the accumulators of
+// LogitsTile and WeightedRowSum outgrew the 16 ymm, and GCC moved the
+// vectors through the stack in 128-bit pieces: attention ran ~20x slower
+// than on an AVX-512 host (RESULTS, "On a host without AVX-512").
+#if defined(__AVX512F__)
+constexpr int kLanes = 16;
+#else
+constexpr int kLanes = 8;
+#endif
+typedef float VF __attribute__((vector_size(4 * kLanes)));
+typedef float VFu __attribute__((vector_size(4 * kLanes), aligned(4)));
+typedef int VI __attribute__((vector_size(4 * kLanes)));
+inline VF Load(const float* p) { return *reinterpret_cast<const VFu*>(p); }
+inline void Store(float* p, VF v) { *reinterpret_cast<VFu*>(p) = v; }
+inline float HSum(VF v) {
   float s = 0.0f;
-  for (int l = 0; l < 16; ++l) s += v[l];
+  for (int l = 0; l < kLanes; ++l) s += v[l];
   return s;
 }
 
-// e^x for 16 lanes, x <= 0 (logit minus running max): Cody–Waite range
+// e^x for kLanes lanes, x <= 0 (logit minus running max): Cody–Waite range
 // reduction x = n·ln2 + r and a degree-6 polynomial for e^r; relative error
 // below 2e-7, and exactly 0 below -87.
-inline V16 ExpNonPositive(V16 x) {
-  typedef int I16 __attribute__((vector_size(64)));
-  const V16 lo = x < -87.0f ? V16{} - 87.0f : x;  // lanes stay finite; masked to 0 below
+inline VF ExpNonPositive(VF x) {
+  const VF lo = x < -87.0f ? VF{} - 87.0f : x;  // lanes stay finite; masked to 0 below
   x = (x < -87.0f) ? lo : x;
-  V16 n = x * 1.44269504088896341f;
+  VF n = x * 1.44269504088896341f;
   // round to nearest: add and subtract 1.5·2^23
   n = (n + 12582912.0f) - 12582912.0f;
-  V16 r = x - n * 0.693359375f;
+  VF r = x - n * 0.693359375f;
   r = r - n * -2.12194440e-4f;
-  V16 p = V16{} + 1.9875691500e-4f;
+  VF p = VF{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
   p = p * r * r + r + 1.0f;
-  I16 ni = __builtin_convertvector(n, I16);
-  I16 bits = (ni + 127) << 23;
-  V16 scale;
+  VI ni = __builtin_convertvector(n, VI);
+  VI bits = (ni + 127) << 23;
+  VF scale;
   __builtin_memcpy(&scale, &bits, sizeof(scale));
-  V16 out = p * scale;
-  typedef int M16 __attribute__((vector_size(64)));
-  M16 under = x <= -87.0f;
-  V16 zero = {};
+  VF out = p * scale;
+  VI under = x <= -87.0f;
+  VF zero = {};
   return under ? zero : out;
 }
 
@@ -66,8 +75,8 @@ inline float* ThreadRowBuffer() {
 }
 
 inline float Dot(const float* a, const float* b, int n) {
-  V16 acc = {};
-  for (int j = 0; j < n; j += 16) acc += Load(a + j) * Load(b + j);
+  VF acc = {};
+  for (int j = 0; j < n; j += kLanes) acc += Load(a + j) * Load(b + j);
   return HSum(acc);
 }
 
@@ -106,28 +115,29 @@ struct GroupState {
 // each query keeps a register accumulator.
 template <int D, int NQ>
 inline void DotN(const float* q, const float* k, float* out) {
-  V16 acc[NQ] = {};
-  for (int j = 0; j < D; j += 16) {
-    const V16 kv = Load(k + j);
+  VF acc[NQ] = {};
+  for (int j = 0; j < D; j += kLanes) {
+    const VF kv = Load(k + j);
     for (int i = 0; i < NQ; ++i) acc[i] += Load(q + i * D + j) * kv;
   }
   for (int i = 0; i < NQ; ++i) out[i] = HSum(acc[i]);
 }
 
-// r[k] = Σ_l a[k][l] for the 16 vectors a[0..16): four rounds of pairwise
-// interleave-and-add (15 adds and 30 two-source shuffles), instead of 16
-// horizontal sums of 15 dependent scalar adds each.
-inline V16 SumLanes16(V16 (&a)[16]) {
-  typedef int I16 __attribute__((vector_size(64)));
-  const I16 lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const I16 hi1 = lo1 + 1;
-  const I16 lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const I16 hi2 = lo2 + 2;
-  const I16 lo3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const I16 hi3 = lo3 + 4;
-  const I16 lo4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const I16 hi4 = lo4 + 8;
-  V16 b[8], c[4], d[2];
+// r[k] = Σ_l a[k][l] for the kLanes vectors a[0..kLanes): log2(kLanes)
+// rounds of pairwise interleave-and-add (kLanes - 1 adds and twice as many
+// two-source shuffles), instead of kLanes horizontal sums of kLanes - 1
+// dependent scalar adds each.
+#if defined(__AVX512F__)
+inline VF SumLanes(VF (&a)[kLanes]) {
+  const VI lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
+  const VI hi1 = lo1 + 1;
+  const VI lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
+  const VI hi2 = lo2 + 2;
+  const VI lo3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
+  const VI hi3 = lo3 + 4;
+  const VI lo4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
+  const VI hi4 = lo4 + 8;
+  VF b[8], c[4], d[2];
   for (int m = 0; m < 8; ++m) {
     b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], lo1) +
            __builtin_shuffle(a[2 * m], a[2 * m + 1], hi1);
@@ -142,29 +152,52 @@ inline V16 SumLanes16(V16 (&a)[16]) {
   }
   return __builtin_shuffle(d[0], d[1], lo4) + __builtin_shuffle(d[0], d[1], hi4);
 }
+#else
+inline VF SumLanes(VF (&a)[kLanes]) {
+  const VI lo1 = {0, 8, 2, 10, 4, 12, 6, 14};
+  const VI hi1 = lo1 + 1;
+  const VI lo2 = {0, 1, 8, 9, 4, 5, 12, 13};
+  const VI hi2 = lo2 + 2;
+  const VI lo3 = {0, 1, 2, 3, 8, 9, 10, 11};
+  const VI hi3 = lo3 + 4;
+  VF b[4], c[2];
+  for (int m = 0; m < 4; ++m) {
+    b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], lo1) +
+           __builtin_shuffle(a[2 * m], a[2 * m + 1], hi1);
+  }
+  for (int m = 0; m < 2; ++m) {
+    c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], lo2) +
+           __builtin_shuffle(b[2 * m], b[2 * m + 1], hi2);
+  }
+  return __builtin_shuffle(c[0], c[1], lo3) + __builtin_shuffle(c[0], c[1], hi3);
+}
+#endif
 
 // logits[i][t] = scale · q_i·k_t for the g heads and the c rows of `tile`,
-// 4 heads x 4 tokens per step: each loaded key and query vector feeds 4 FMAs,
-// and the 16 dot products are summed across lanes together (SumLanes16).
+// kTileHeads heads x 4 tokens per step (4 x 4 with AVX-512, 2 x 4 with
+// AVX2, so that the accumulators, keys and queries fit the registers): each
+// loaded key vector feeds kTileHeads FMAs and each query vector 4, and the
+// kLanes dot products are summed across lanes together (SumLanes).
 // Rows past c are read (the tile holds kChunk rows) but not reported.
+constexpr int kTileHeads = kLanes / 4;
 template <int D>
 inline void LogitsTile(const float* qs, int g, const float* tile, int c, float scale,
                        float (*logits)[kChunk]) {
-  for (int i0 = 0; i0 < g; i0 += 4) {
-    const int nh = std::min(4, g - i0);
-    const float* qh[4];
-    for (int h = 0; h < 4; ++h) qh[h] = qs + size_t(i0 + std::min(h, nh - 1)) * D;
+  for (int i0 = 0; i0 < g; i0 += kTileHeads) {
+    const int nh = std::min(kTileHeads, g - i0);
+    const float* qh[kTileHeads];
+    for (int h = 0; h < kTileHeads; ++h) qh[h] = qs + size_t(i0 + std::min(h, nh - 1)) * D;
     for (int t0 = 0; t0 < c; t0 += 4) {
-      V16 acc[16] = {};
-      for (int j = 0; j < D; j += 16) {
-        V16 kv[4], qv[4];
+      VF acc[kLanes] = {};
+      for (int j = 0; j < D; j += kLanes) {
+        VF kv[4], qv[kTileHeads];
         for (int tt = 0; tt < 4; ++tt) kv[tt] = Load(tile + (t0 + tt) * D + j);
-        for (int h = 0; h < 4; ++h) qv[h] = Load(qh[h] + j);
-        for (int h = 0; h < 4; ++h) {
+        for (int h = 0; h < kTileHeads; ++h) qv[h] = Load(qh[h] + j);
+        for (int h = 0; h < kTileHeads; ++h) {
           for (int tt = 0; tt < 4; ++tt) acc[4 * h + tt] += qv[h] * kv[tt];
         }
       }
-      const V16 r = SumLanes16(acc) * scale;
+      const VF r = SumLanes(acc) * scale;
       const int nt = std::min(4, c - t0);
       for (int h = 0; h < nh; ++h) {
         for (int tt = 0; tt < nt; ++tt) logits[i0 + h][t0 + tt] = r[4 * h + tt];
@@ -183,18 +216,31 @@ inline void Logits(const float* q, int nq, const float* k, float* out) {
   }
 }
 
+// Output columns per pass of WeightedRowSum, so that its accumulators stay
+// in registers: all of D <= 256 with AVX-512 (at most 16 zmm), 64 with AVX2
+// (8 ymm). Each output's sum over t keeps its order at any pass width.
+#if defined(__AVX512F__)
+constexpr int kRowSumColumns = 256;
+#else
+constexpr int kRowSumColumns = 64;
+#endif
+
 // acc[0..D) += Σ_t p[t] · tile[t][0..D), accumulating in registers.
 template <int D>
 inline void WeightedRowSum(const float* p, const float* tile, int c, float* acc) {
-  constexpr int kVecs = D / 16;
-  V16 a[kVecs];
-  for (int v = 0; v < kVecs; ++v) a[v] = Load(acc + 16 * v);
-  for (int t = 0; t < c; ++t) {
-    const float w = p[t];
-    const float* row = tile + t * D;
-    for (int v = 0; v < kVecs; ++v) a[v] += w * Load(row + 16 * v);
+  constexpr int kCols = D < kRowSumColumns ? D : kRowSumColumns;
+  constexpr int kVecs = kCols / kLanes;
+  static_assert(D % kCols == 0 && kCols % kLanes == 0, "whole passes of whole vectors");
+  for (int c0 = 0; c0 < D; c0 += kCols) {
+    VF a[kVecs];
+    for (int v = 0; v < kVecs; ++v) a[v] = Load(acc + c0 + kLanes * v);
+    for (int t = 0; t < c; ++t) {
+      const float w = p[t];
+      const float* row = tile + t * D + c0;
+      for (int v = 0; v < kVecs; ++v) a[v] += w * Load(row + kLanes * v);
+    }
+    for (int v = 0; v < kVecs; ++v) Store(acc + c0 + kLanes * v, a[v]);
   }
-  for (int v = 0; v < kVecs; ++v) Store(acc + 16 * v, a[v]);
 }
 
 // Accumulates `n` tokens whose K and V rows are produced by the callbacks
@@ -231,8 +277,8 @@ void AccumulateTokensD(GroupState& st, const float* qs, float scale, int n, KRow
       const float mx = st.Rescale(i, cm);
       float sum = 0.0f;
       if (c == kChunk) {
-        for (int t = 0; t < kChunk; t += 16) {
-          const V16 e = ExpNonPositive(Load(&logits[i][t]) - mx);
+        for (int t = 0; t < kChunk; t += kLanes) {
+          const VF e = ExpNonPositive(Load(&logits[i][t]) - mx);
           Store(&logits[i][t], e);
           sum += HSum(e);
         }
