@@ -5,6 +5,8 @@
 #include <functional>
 #include <limits>
 
+#include "kernels/host_vector.h"
+
 #if defined(__AVX512F__)
 // GCC 12's AVX-512 intrinsics pass an undefined vector as the unused merge
 // operand and then warn about it (fixed in GCC 13); the warnings point into
@@ -254,21 +256,20 @@ void RotateRow(const bf16_bits* x, const float* r, int dim, float* y) {
 
 namespace {
 
-// RotateBlock's vectors: the host's widest (16 floats with AVX-512, else 8,
-// which AVX2 holds in one ymm) and output columns per pass, so that the
-// T x kRotateColumns / kRotateLanes accumulators stay in registers. With
-// 16-float vectors on an AVX2 host (two ymm each, 16 ymm in all) the
-// accumulators lived on the stack, and the encode ran ~20x slower than on an
-// AVX-512 host (dev VM, AMD EPYC with AVX2 only, 2026-12-02: 11 k tokens/s).
-// Each output's sum over i keeps its order, so the bits do not depend on
-// the vector or pass width.
+// Output columns per pass of RotateBlock, in the host's widest vectors
+// (kernels/host_vector.h), so that its T x kRotateColumns / kLanes
+// accumulators stay in registers: every column in one pass with AVX-512 (at
+// most 16 zmm), 32 with AVX2 (8 ymm; with 16-float vectors the encode ran at
+// 11 k tokens/s on an AVX2-only EPYC, 2026-12-02, RESULTS). Each output's sum
+// over i keeps its order, so the bits do not depend on the pass width.
+using host_vector::kLanes;
+using host_vector::VF;
+using host_vector::VFu;
 #if defined(__AVX512F__)
-constexpr int kRotateLanes = 16, kRotateColumns = 128;
+constexpr int kRotateColumns = 256;
 #else
-constexpr int kRotateLanes = 8, kRotateColumns = 32;
+constexpr int kRotateColumns = 32;
 #endif
-typedef float VR __attribute__((vector_size(4 * kRotateLanes)));
-typedef float VRu __attribute__((vector_size(4 * kRotateLanes), aligned(4)));
 
 // Rotates T rows at once with their outputs held in registers, up to
 // kRotateColumns output columns per pass: each row of R is loaded once per
@@ -276,24 +277,21 @@ typedef float VRu __attribute__((vector_size(4 * kRotateLanes), aligned(4)));
 template <int D, int T>
 void RotateBlock(const bf16_bits* x, size_t x_stride, const float* r, float* y) {
   constexpr int kCols = D < kRotateColumns ? D : kRotateColumns;
-  constexpr int kVecs = kCols / kRotateLanes;
-  static_assert(D % kCols == 0 && kCols % kRotateLanes == 0, "whole passes of whole vectors");
+  constexpr int kVecs = kCols / kLanes;
+  static_assert(D % kCols == 0 && kCols % kLanes == 0, "whole passes of whole vectors");
   for (int c0 = 0; c0 < D; c0 += kCols) {
-    VR acc[T][kVecs] = {};
+    VF acc[T][kVecs] = {};
     for (int i = 0; i < D; ++i) {
       float xi[T];
-#pragma GCC unroll 8
       for (int t = 0; t < T; ++t) xi[t] = Bf16ToFloat(x[t * x_stride + i]);
-      const VRu* ri = reinterpret_cast<const VRu*>(r + size_t(i) * D + c0);
-#pragma GCC unroll 16
+      const VFu* ri = reinterpret_cast<const VFu*>(r + size_t(i) * D + c0);
       for (int v = 0; v < kVecs; ++v) {
-        const VR rv = ri[v];
-#pragma GCC unroll 8
+        const VF rv = ri[v];
         for (int t = 0; t < T; ++t) acc[t][v] += xi[t] * rv;
       }
     }
     for (int t = 0; t < T; ++t) {
-      VRu* yt = reinterpret_cast<VRu*>(y + size_t(t) * D + c0);
+      VFu* yt = reinterpret_cast<VFu*>(y + size_t(t) * D + c0);
       for (int v = 0; v < kVecs; ++v) yt[v] = acc[t][v];
     }
   }

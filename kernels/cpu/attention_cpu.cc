@@ -4,7 +4,10 @@
 #include <cstdint>
 #include <cmath>
 #include <limits>
+#include <utility>
 #include <vector>
+
+#include "kernels/host_vector.h"
 
 namespace oscarkv {
 namespace {
@@ -14,22 +17,15 @@ constexpr int kMaxGroup = 64;   // query heads per kv head handled in one pass
 constexpr int kMaxDim = 256;
 constexpr int kChunk = 32;      // tokens whose logits are computed before one rescale
 
-// The host's widest float vectors (GCC vector extension): 16 floats in a zmm
-// with AVX-512, else 8 (a ymm with AVX2). The code was first written for 16
-// floats only; on an AVX2-only host each was two ymm, the accumulators of
-// LogitsTile and WeightedRowSum outgrew the 16 ymm, and GCC moved the
-// vectors through the stack in 128-bit pieces: attention ran ~20x slower
-// than on an AVX-512 host (RESULTS, "On a host without AVX-512").
-#if defined(__AVX512F__)
-constexpr int kLanes = 16;
-#else
-constexpr int kLanes = 8;
-#endif
-typedef float VF __attribute__((vector_size(4 * kLanes)));
-typedef float VFu __attribute__((vector_size(4 * kLanes), aligned(4)));
-typedef int VI __attribute__((vector_size(4 * kLanes)));
-inline VF Load(const float* p) { return *reinterpret_cast<const VFu*>(p); }
-inline void Store(float* p, VF v) { *reinterpret_cast<VFu*>(p) = v; }
+// The host's widest float vectors (kernels/host_vector.h): with AVX-512 the
+// 16-float code this file was tuned with, else 8 floats, with LogitsTile's
+// tile and WeightedRowSum's passes sized so that the accumulators stay in
+// the 16 ymm.
+using host_vector::kLanes;
+using host_vector::Load;
+using host_vector::Store;
+using host_vector::VF;
+using host_vector::VI;
 inline float HSum(VF v) {
   float s = 0.0f;
   for (int l = 0; l < kLanes; ++l) s += v[l];
@@ -123,55 +119,36 @@ inline void DotN(const float* q, const float* k, float* out) {
   for (int i = 0; i < NQ; ++i) out[i] = HSum(acc[i]);
 }
 
+// Lane i of one interleave-and-add round of width w over a pair (a, b):
+// the shuffle indices of a's and b's lanes alternating in runs of w (b's
+// index kLanes + j), e.g. w = 1: 0, 16, 2, 18, ... for 16 lanes; the round
+// adds this and the same shifted by w.
+constexpr int InterleaveLane(int i, int w) {
+  return i / (2 * w) * (2 * w) + i % w + (i / w % 2) * kLanes;
+}
+template <int W, int... I>
+inline VF InterleaveAdd(VF a, VF b, std::integer_sequence<int, I...>) {
+  const VI lo = {InterleaveLane(I, W)...};
+  const VI hi = lo + W;
+  return __builtin_shuffle(a, b, lo) + __builtin_shuffle(a, b, hi);
+}
+// Rounds W, 2W, ... < kLanes over the n vectors x (halved by each round).
+template <int W>
+inline void SumLanesRounds(VF* x, int n) {
+  for (int m = 0; m < n / 2; ++m) {
+    x[m] = InterleaveAdd<W>(x[2 * m], x[2 * m + 1], std::make_integer_sequence<int, kLanes>{});
+  }
+  if constexpr (2 * W < kLanes) SumLanesRounds<2 * W>(x, n / 2);
+}
+
 // r[k] = Σ_l a[k][l] for the kLanes vectors a[0..kLanes): log2(kLanes)
 // rounds of pairwise interleave-and-add (kLanes - 1 adds and twice as many
 // two-source shuffles), instead of kLanes horizontal sums of kLanes - 1
-// dependent scalar adds each.
-#if defined(__AVX512F__)
+// dependent scalar adds each. Overwrites a.
 inline VF SumLanes(VF (&a)[kLanes]) {
-  const VI lo1 = {0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12, 28, 14, 30};
-  const VI hi1 = lo1 + 1;
-  const VI lo2 = {0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28, 29};
-  const VI hi2 = lo2 + 2;
-  const VI lo3 = {0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26, 27};
-  const VI hi3 = lo3 + 4;
-  const VI lo4 = {0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23};
-  const VI hi4 = lo4 + 8;
-  VF b[8], c[4], d[2];
-  for (int m = 0; m < 8; ++m) {
-    b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], lo1) +
-           __builtin_shuffle(a[2 * m], a[2 * m + 1], hi1);
-  }
-  for (int m = 0; m < 4; ++m) {
-    c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], lo2) +
-           __builtin_shuffle(b[2 * m], b[2 * m + 1], hi2);
-  }
-  for (int m = 0; m < 2; ++m) {
-    d[m] = __builtin_shuffle(c[2 * m], c[2 * m + 1], lo3) +
-           __builtin_shuffle(c[2 * m], c[2 * m + 1], hi3);
-  }
-  return __builtin_shuffle(d[0], d[1], lo4) + __builtin_shuffle(d[0], d[1], hi4);
+  SumLanesRounds<1>(a, kLanes);
+  return a[0];
 }
-#else
-inline VF SumLanes(VF (&a)[kLanes]) {
-  const VI lo1 = {0, 8, 2, 10, 4, 12, 6, 14};
-  const VI hi1 = lo1 + 1;
-  const VI lo2 = {0, 1, 8, 9, 4, 5, 12, 13};
-  const VI hi2 = lo2 + 2;
-  const VI lo3 = {0, 1, 2, 3, 8, 9, 10, 11};
-  const VI hi3 = lo3 + 4;
-  VF b[4], c[2];
-  for (int m = 0; m < 4; ++m) {
-    b[m] = __builtin_shuffle(a[2 * m], a[2 * m + 1], lo1) +
-           __builtin_shuffle(a[2 * m], a[2 * m + 1], hi1);
-  }
-  for (int m = 0; m < 2; ++m) {
-    c[m] = __builtin_shuffle(b[2 * m], b[2 * m + 1], lo2) +
-           __builtin_shuffle(b[2 * m], b[2 * m + 1], hi2);
-  }
-  return __builtin_shuffle(c[0], c[1], lo3) + __builtin_shuffle(c[0], c[1], hi3);
-}
-#endif
 
 // logits[i][t] = scale · q_i·k_t for the g heads and the c rows of `tile`,
 // kTileHeads heads x 4 tokens per step (4 x 4 with AVX-512, 2 x 4 with

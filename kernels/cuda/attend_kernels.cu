@@ -695,15 +695,14 @@ int AttendLauncher::ResolveVariant(int variant, long history_token_heads, int nu
 
 bool AttendLauncher::UsesIntegerValueProduct(int variant, int head_dim, int group_size,
                                              int gqa) {
-  if (variant == kAutoVariant) variant = kAutoLightVariant;
+  if (variant == kAutoVariant) variant = kAutoLightVariant;  // 14 and 19: the same shapes
   return group_size > 0 &&
          cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
 }
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {
-  // Both of auto's variants have the same shapes and P'.
+  // Both of auto's variants have the same shapes and P'; 6 and 7 keep 24 bits.
   if (variant == kAutoVariant) variant = kAutoLightVariant;
-  return variant >= 8 && group_size > 0 &&
-         cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
+  return variant >= 8 && UsesIntegerValueProduct(variant, head_dim, group_size, gqa);
 }
 }  // namespace oscarkv
