@@ -58,7 +58,15 @@ struct LaunchArgs {
   // Benchmarks only, null in service: the rows of each TraceKernel's blocks
   // (kTraceMarks words each; see attend_plan.h). The cluster kernel has none.
   unsigned long long* trace[kTraceKernels];
-  const HeadPartials* head_partials;  // [item][kv head]: what the merge combines
+  const HeadPartials* head_partials;  // [item][plan head]: what the merge combines
+  // Paired heads (AttendLauncher::PairsHeads): 1 when each kv head's 2g
+  // query heads (g = the field above) run as two "plan heads" of g each, plan
+  // head v being query heads g·v .. g·v + g - 1 over the pages, exact rows and
+  // rotations of kv head v >> 1; else 0 (plan heads are kv heads). Work
+  // units, query fragments and head partials are per plan head.
+  int head_shift;
+  OSCARKV_HDC int PlanHeads() const { return geom.kv_heads << head_shift; }
+  OSCARKV_HDC int KvHead(int plan_head) const { return plan_head >> head_shift; }
 };
 
 template <int D, int NG, bool G8>

@@ -69,11 +69,11 @@ struct ExactWarp {
   }
 
   // K and V rows of tokens [t, min(t1, t + kTokensPerStep)) of one exact
-  // block (zeros past t1). Reads no state.
+  // block (zeros past t1), for plan head h. Reads no state.
   __device__ static void LoadRows(const LaunchArgs& a, int h, const ExactBlockRef& blk, int t,
                                   int t1, int lane, Rows& r) {
     const size_t row_elems = a.geom.exact_row_elems();
-    const bf16_bits* kb = blk.block + size_t(h) * D + lane * EL;
+    const bf16_bits* kb = blk.block + size_t(a.KvHead(h)) * D + lane * EL;
     const bf16_bits* vb = kb + size_t(a.geom.page_tokens) * row_elems;
 #pragma unroll
     for (int u = 0; u < kTokensPerStep; ++u) {
@@ -184,7 +184,8 @@ __device__ void PrefetchExactRowsL2(const LaunchArgs& a, const WorkUnit& wu) {
     const ExactBlockRef ref = wu.exact[b];
     const int kv = j / (P * kLinesPerRow), tok = (j / kLinesPerRow) % P, line = j % kLinesPerRow;
     if (tok >= ref.tokens) continue;
-    const bf16_bits* row = ref.block + (size_t(kv) * P + tok) * row_elems + size_t(wu.kv_head) * D;
+    const bf16_bits* row =
+        ref.block + (size_t(kv) * P + tok) * row_elems + size_t(a.KvHead(wu.kv_head)) * D;
     asm volatile("prefetch.global.L2 [%0];\n" ::"l"(row + line * 64));
   }
 }

@@ -233,7 +233,7 @@ struct HistoryWarp : ChunkLoads<D, NG, G8> {
 
   // The query fragments and sums from the prep kernel; zero state.
   __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
-    const uint32_t* qf = a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (QN * QK * 2 * 32);
+    const uint32_t* qf = a.qfrag + (size_t(item) * a.PlanHeads() + h) * (QN * QK * 2 * 32);
 #pragma unroll
     for (int nt = 0; nt < QN; ++nt)
 #pragma unroll

@@ -91,7 +91,7 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   float o[4][2][2];
 
   __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
-    const uint32_t* qf = a.qfrag + (size_t(item) * a.geom.kv_heads + h) * (2 * 4 * 2 * 32);
+    const uint32_t* qf = a.qfrag + (size_t(item) * a.PlanHeads() + h) * (2 * 4 * 2 * 32);
 #pragma unroll
     for (int nt = 0; nt < 2; ++nt)
 #pragma unroll

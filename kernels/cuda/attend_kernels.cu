@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     const int cpp = a.geom.page_tokens / 32;
     const int n = (end - begin) * cpp;
     Warp hw;
-    hw.InitOffsets(a.geom, kv_head, lane);
+    hw.InitOffsets(a.geom, a.KvHead(kv_head), lane);
     WarpPages<kWarps> pages(item, begin, n, cpp, warp, lane);
     // The same code as calling pages' methods directly, which ptxas
     // schedules differently (checked on the dev VM: these forwards keep the
@@ -199,7 +199,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     if constexpr (kStages > 0) {
       extern __shared__ __align__(128) uint8_t ring_smem[];
       StageRing<D, NG, kStages> ring;
-      ring.Init(ring_smem, warp, lane, a.geom, kv_head);
+      ring.Init(ring_smem, warp, lane, a.geom, a.KvHead(kv_head));
       // The first kStages chunks go in flight before the prep kernel's
       // results are needed. page_of is a warp shuffle: all lanes call it.
       for (int it = 0; it < iters && it < kStages; ++it) {
@@ -320,7 +320,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     // part's). It waits for the prep kernel again, which returns at once.
     if (wu.next_partial >= 0) {
       next_part();
-      run_history(wu.kv_head + 1, 0, wu.next_end, wu.next_partial);
+      run_history(wu.kv_head + (1 << a.head_shift), 0, wu.next_end, wu.next_partial);
     }
   }
   if constexpr (!kExactFirst) {
@@ -693,11 +693,18 @@ int AttendLauncher::ResolveVariant(int variant, long history_token_heads, int nu
                                                                               : kAutoLightVariant;
 }
 
+bool AttendLauncher::PairsHeads(int variant, int head_dim, int group_size, int gqa) {
+  if (variant == kAutoVariant) variant = kAutoLightVariant;  // 14 and 19: the same shapes
+  return (gqa == 6 || gqa == 8) && group_size > 0 &&
+         cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, false);
+}
+
 bool AttendLauncher::UsesIntegerValueProduct(int variant, int head_dim, int group_size,
                                              int gqa) {
   if (variant == kAutoVariant) variant = kAutoLightVariant;  // 14 and 19: the same shapes
+  const int kernel_gqa = PairsHeads(variant, head_dim, group_size, gqa) ? gqa / 2 : gqa;
   return group_size > 0 &&
-         cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, gqa > 4);
+         cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, kernel_gqa > 4);
 }
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {

@@ -54,6 +54,9 @@ struct AttendSchedule {
   // Its kernel for this shape runs P·V on the integer tensor cores (else the
   // float path: UsesIntegerValueProduct).
   bool integer_pv = false;
+  // The query heads of each kv head ran as two plan heads (PairsHeads);
+  // exact_units, history_units and partials then count the plan heads'.
+  bool paired_heads = false;
   int merge_slice = 32;  // output dims per merge block (32 or 64)
   int plan_reused = 0;   // 1: the units of the last Prepare, whose shapes were the same
   // Variant 19: some items' history cut flat over their kv heads; units
@@ -211,10 +214,23 @@ class AttendLauncher {
   // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
   static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);
   // Whether a batch of this shape runs P·V on the integer tensor cores under
-  // `variant` (variants 6-17 and 19 for D = 128, G = D, g <= 4); other
-  // shapes run the float path (HistoryWarp: fp16 / bf16 hi-lo products,
-  // the g = 8 kernel at 8 query heads per kv head), whatever the variant.
+  // `variant` (variants 6-17 and 19 for D = 128, G = D, g <= 4, and g = 6
+  // or 8 with paired heads, set_pair_heads' default); other shapes run the
+  // float path (HistoryWarp: fp16 / bf16 hi-lo products, the g = 8 kernel at
+  // 5-8 query heads per kv head), whatever the variant.
   static bool UsesIntegerValueProduct(int variant, int head_dim, int group_size, int gqa);
+  // Whether a batch of this shape runs with paired heads when set_pair_heads
+  // is on: 6 or 8 query heads per kv head, whose halves (3 or 4 heads) would
+  // run the integer P·V path. Each kv head then becomes two plan heads
+  // (LaunchArgs::head_shift), each unit of the kv heads' plan two blocks
+  // that read the same pages (PairHeadUnits): twice the products and the
+  // reads from L2, the same bytes from DRAM, against the g = 8 float kernel.
+  static bool PairsHeads(int variant, int head_dim, int group_size, int gqa);
+  // Paired heads on (the default) or off (the g = 8 float kernel at 6 and 8
+  // query heads per kv head: benchmarks and tests). The environment variable
+  // OSCARKV_CUDA_ATTEND_PAIR_HEADS (0 off) sets the initial value. Takes
+  // effect at the next Prepare().
+  void set_pair_heads(bool on) { pair_heads_ = on; }
 
   // Blocks per cluster of variant 11's cluster kernel: 8 (the default), 4
   // or 16; other sizes run the default variant. The environment variable
@@ -300,6 +316,11 @@ class AttendLauncher {
   bool trace_ = false;
   bool results_in_device_memory_ = false;
   long wave_units_ = 0;
+  bool pair_heads_ = true;
+  // Paired heads: the kv heads' plan, before PairHeadUnits doubles it into
+  // the staging buffer.
+  std::vector<cuda_attend::WorkUnit> pair_plan_work_;
+  std::vector<cuda_attend::HeadPartials> pair_plan_heads_;
   int stages_ = 3;
   // Pinned staging of the upload; the workspace (device): the uploaded region,
   // then device-only scratch (query fragments, partials, cluster counts,
@@ -354,9 +375,10 @@ class AttendLauncher {
     int fold = 0;
     bool exact_first = false;
     bool flat_cut = false;
+    bool paired = false;
     bool operator==(const PlanShape& o) const {
       return capacity == o.capacity && kv_heads == o.kv_heads && fold == o.fold &&
-             exact_first == o.exact_first && flat_cut == o.flat_cut;
+             exact_first == o.exact_first && flat_cut == o.flat_cut && paired == o.paired;
     }
   };
   PlanShape plan_shape_;

@@ -64,6 +64,9 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
     l->fold_exact_ = cuda_attend::FoldExactFromNumber(std::atoi(v));
   }
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_WAVE_UNITS")) l->wave_units_ = std::atol(v);
+  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_PAIR_HEADS")) {
+    l->pair_heads_ = std::atoi(v) != 0;
+  }
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
   return l;
 }
@@ -138,11 +141,20 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const PageGeometry& geom = b.geom;
   const int H = geom.kv_heads, D = geom.head_dim, g = b.num_q_heads / H;
   const int n = b.num_items;
+  // Paired heads (PairsHeads): 6 or 8 query heads per kv head run as two
+  // plan heads of 3 or 4 each on the integer kernel (variant 11 runs the
+  // default there). Hp plan heads of gp query heads each; the planner cuts
+  // the H kv heads and PairHeadUnits doubles every unit.
+  const bool paired =
+      pair_heads_ &&
+      PairsHeads(variant_ == kClusterVariant ? kDefaultVariant : variant_, D, geom.group_size, g);
+  const int head_shift = paired ? 1 : 0;
+  const int Hp = H << head_shift, gp = g >> head_shift;
 
   LaunchShape shape;
   shape.head_dim = D;
   shape.groups = D / geom.group_size;
-  shape.g8 = g > 4;
+  shape.g8 = gp > 4;
   shape.num_items = n;
   shape.kv_heads = H;
   shape.hq = b.num_q_heads;
@@ -151,14 +163,14 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     total_pages += b.items[i].num_pages;
     total_exact += b.items[i].num_exact;
   }
-  const long history_token_heads = total_pages * geom.page_tokens * H;
+  const long history_token_heads = total_pages * geom.page_tokens * Hp;
   shape.variant = ResolveVariant(variant_, history_token_heads, num_sms_);
   shape.stages = stages_;
   // Variant 11: one cluster kernel with as many clusters per (item, kv
   // head) as fit at once for all of them; else the default variant's three
   // kernels.
   int clusters_per_head = 0;
-  if (variant_ == kClusterVariant && D == 128 && shape.groups == 1 && !shape.g8) {
+  if (variant_ == kClusterVariant && D == 128 && shape.groups == 1 && !shape.g8 && !paired) {
     shape.cluster_blocks = cluster_blocks_;
     auto known_capacity = cluster_capacity_.find(cluster_blocks_);
     if (known_capacity == cluster_capacity_.end()) {
@@ -202,11 +214,13 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       OSCARKV_ASSIGN_OR_RETURN(const int blocks, cuda_attend::SplitBlocksPerSm(shape));
       known = split_blocks_per_sm_.emplace(kernel_key, blocks).first;
     }
-    const long capacity =
+    const long wave =
         wave_units_ > 0 ? wave_units_ : std::max<long>(1, long(known->second) * num_sms_);
+    // Paired heads: each unit of the kv heads' plan takes two blocks.
+    const long capacity = std::max<long>(1, wave >> head_shift);
     OSCARKV_ASSIGN_OR_RETURN(const bool exact_first, cuda_attend::HasExactFirstKernel(shape));
     const PlanShape plan_shape{capacity, H, static_cast<int>(fold_exact_), exact_first,
-                               cuda_attend::HasTwoHeadKernel(shape)};
+                               cuda_attend::HasTwoHeadKernel(shape), paired};
     auto counts = [&](int i) { return std::make_pair(b.items[i].num_pages, b.items[i].num_exact); };
     same_plan = had_plan && plan_shape == plan_shape_ && plan_counts_.size() == size_t(n);
     for (int i = 0; same_plan && i < n; ++i) same_plan = plan_counts_[i] == counts(i);
@@ -220,9 +234,11 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     shape.exact_first = plan_sizes_.fold_exact && exact_first;
   }
   const cuda_attend::UnitSizes& sizes = *sizes_ptr;
-  const long num_work = sizes.num_work();
+  // Units and partials of the plan heads (twice the kv heads' plan when paired).
+  const long num_work = sizes.num_work() << head_shift;
+  const long num_partials = sizes.partials << head_shift;
   // The merge kernel addresses the partials with 32-bit float offsets.
-  const long partial_floats = sizes.partials * static_cast<long>(cuda_attend::PartialFloats(g, D));
+  const long partial_floats = num_partials * static_cast<long>(cuda_attend::PartialFloats(gp, D));
   if (num_work > (1L << 30) || partial_floats >= (1L << 31) || total_pages > (1L << 30)) {
     return absl::InvalidArgumentError("attention batch too large for one launch");
   }
@@ -259,7 +275,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   // pinned results buffer, written by the merge kernel over the bus (a few
   // KB per item: cheaper than a download copy's round trip), or to the
   // workspace's results.
-  const int nt = g > 4 ? 2 : 1;
+  const int nt = gp > 4 ? 2 : 1;
   const size_t q_floats = size_t(b.num_q_heads) * D;
   const size_t result_floats = q_floats + b.num_q_heads;  // out, then lse
   const size_t off_items = 0;
@@ -267,14 +283,14 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t off_exact = AlignUp(off_pages + sizeof(void*) * table_pages);
   const size_t off_work = AlignUp(off_exact + sizeof(ExactBlockRef) * total_exact);
   const size_t off_heads = AlignUp(off_work + sizeof(WorkUnit) * num_work);
-  const size_t off_q = AlignUp(off_heads + sizeof(HeadPartials) * n * H);
+  const size_t off_q = AlignUp(off_heads + sizeof(HeadPartials) * n * Hp);
   const size_t upload = AlignUp(off_q + size_t(n) * q_floats * 4);
   // Staging only: the new entries of named tables, copied into the array.
   const size_t off_updates = upload;
   const size_t staging_bytes = off_updates + sizeof(void*) * new_entries;
   const size_t results_bytes = size_t(n) * result_floats * 4;
   const size_t off_qfrag = upload;
-  const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * H * nt * (D / 16) * 2 * 32 * 4);
+  const size_t off_qmeta = AlignUp(off_qfrag + size_t(n) * Hp * nt * (D / 16) * 2 * 32 * 4);
   const size_t off_part =
       AlignUp(off_qmeta + size_t(n) * b.num_q_heads * cuda_attend::kQueryMetaFloats * 4);
   // set_results_in_device_memory: the outputs in the workspace instead.
@@ -382,7 +398,17 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     // nothing moved them: same inputs, offsets and staging buffer.
     plan_reused = same_plan && off_work == plan_off_work_ && off_heads == plan_off_heads_ &&
                   staging_generation_ == plan_staging_generation_;
-    if (!plan_reused) cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, heads);
+    if (!plan_reused && paired) {
+      // The kv heads' plan, then each unit twice (PairHeadUnits).
+      pair_plan_work_.resize(sizes.num_work());
+      pair_plan_heads_.resize(size_t(n) * H);
+      cuda_attend::FillAttendUnits(sizes, b.items, n, H, pair_plan_work_.data(),
+                                   pair_plan_heads_.data());
+      cuda_attend::PairHeadUnits(pair_plan_work_.data(), sizes.num_work(),
+                                 pair_plan_heads_.data(), n, H, sizes.partials, work, heads);
+    } else if (!plan_reused) {
+      cuda_attend::FillAttendUnits(sizes, b.items, n, H, work, heads);
+    }
     plan_off_work_ = off_work;
     plan_off_heads_ = off_heads;
     plan_staging_generation_ = staging_generation_;
@@ -398,7 +424,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   }
   // The cluster kernel has no merge kernel and no head partials.
   int max_splits = 0;
-  for (long ih = 0; shape.cluster_blocks == 0 && ih < long(n) * H; ++ih) {
+  for (long ih = 0; shape.cluster_blocks == 0 && ih < long(n) * Hp; ++ih) {
     max_splits = std::max(max_splits, heads[ih].hist_count + heads[ih].exact_count);
   }
   shape.wide_merge = max_splits > cuda_attend::kWarps * cuda_attend::MergeBatch(D, false);
@@ -437,7 +463,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.work = reinterpret_cast<const WorkUnit*>(dev + off_work);
   a.head_partials = reinterpret_cast<const HeadPartials*>(dev + off_heads);
   a.geom = geom;
-  a.g = g;
+  a.g = gp;
+  a.head_shift = head_shift;
   a.hq = b.num_q_heads;
   a.scale_log2 = b.scale * 1.4426950408889634f;
   a.ablate = ablate_;
@@ -473,15 +500,16 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   prepared_->valid = true;
 
   schedule_.num_items = n;
-  schedule_.exact_units = static_cast<int>(sizes.exact_units);
-  schedule_.history_units = static_cast<int>(sizes.history_units);
+  schedule_.exact_units = static_cast<int>(sizes.exact_units << head_shift);
+  schedule_.history_units = static_cast<int>(sizes.history_units << head_shift);
   schedule_.pages_per_unit = static_cast<int>(sizes.pages_per_unit);
-  schedule_.partials = static_cast<int>(sizes.partials);
+  schedule_.partials = static_cast<int>(num_partials);
   schedule_.upload_bytes = upload + sizeof(void*) * new_entries;
   schedule_.pages_uploaded = table_pages + new_entries;
   schedule_.clusters_per_head = shape.cluster_blocks > 0 ? clusters_per_head : 0;
   schedule_.variant = shape.variant;
-  schedule_.integer_pv = UsesIntegerValueProduct(shape.variant, D, geom.group_size, g);
+  schedule_.integer_pv = gp <= 4 && UsesIntegerValueProduct(shape.variant, D, geom.group_size, gp);
+  schedule_.paired_heads = paired;
   schedule_.merge_slice = shape.merge_slice;
   schedule_.flat_cut = sizes.flat;
   schedule_.plan_reused = plan_reused ? 1 : 0;

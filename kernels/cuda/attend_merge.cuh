@@ -181,14 +181,14 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   // prep kernel: read before waiting.
   const ItemPlan& item = a.items[item_idx];
   const int g = a.g, h = qh / g, hh = qh % g;
-  const HeadPartials hp = a.head_partials[item_idx * a.geom.kv_heads + h];
+  const HeadPartials hp = a.head_partials[item_idx * a.PlanHeads() + h];
   const int nh = hp.hist_count, ne = hp.exact_count, n = nh + ne;
   const int hfirst = hp.hist_first, efirst = hp.exact_first;
   float* const out = item.out;
   float* const lse_out = item.lse;
   float rr[kRvShared ? 1 : kPerWarp][EL];
   if (item.num_pages > 0) {
-    const float* rv = item.rotation.r_v + item.rotation.stride * h;
+    const float* rv = item.rotation.r_v + item.rotation.stride * a.KvHead(h);
     if constexpr (kRvShared) {
       // Rows j0 .. j0 + kSlice - 1 (read after CombineWarps' barriers), as
       // float4 when R_V is 16-byte aligned (the backend's rotations are;

@@ -10,6 +10,9 @@
 // running max and running sum per query head of the GQA group, base-2
 // logits) that the merge kernel combines with the online-softmax rule; the
 // partials of each (item, kv head) are listed by its HeadPartials.
+// With paired heads (LaunchArgs::head_shift = 1, PairHeadUnits) every "kv
+// head" below is a plan head: half of a kv head's query heads, over that kv
+// head's pages and exact rows.
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_PLAN_H_
 #define OSCARKV_KERNELS_CUDA_ATTEND_PLAN_H_
 

@@ -71,7 +71,7 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
   constexpr int NT = G8 ? 2 : 1, KS = D / 16, Q = D / 4;
   const int g = a.g;
   if (int_format) {
-    uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * kIntFragWords;
+    uint32_t* frag = a.qfrag + (size_t(item_idx) * a.PlanHeads() + h) * kIntFragWords;
     // Lane q of warp 0 makes the 4 digits of the 4 dims of one (c, rg, kk)
     // (IntFragWord's arithmetic, every digit of one chain at once) and
     // writes the head's 4 words that hold them: a B = 1 call waits on this
@@ -105,7 +105,7 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
     }
     return;
   }
-  uint32_t* frag = a.qfrag + (size_t(item_idx) * a.geom.kv_heads + h) * (NT * KS * 2 * 32);
+  uint32_t* frag = a.qfrag + (size_t(item_idx) * a.PlanHeads() + h) * (NT * KS * 2 * 32);
   for (int idx = threadIdx.x; idx < NT * KS * 2 * 32; idx += blockDim.x) {
     const int ln = idx & 31, rg = (idx >> 5) & 1, ks = (idx >> 6) % KS, nt = (idx >> 6) / KS;
     const int kq = ks & 3;
@@ -195,11 +195,11 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
   const float* rk;
   bool has_history;
   if (a.rotation.r_k != nullptr) {
-    rk = a.rotation.r_k + a.rotation.stride * h;
+    rk = a.rotation.r_k + a.rotation.stride * a.KvHead(h);
     has_history = true;
   } else {
     const ItemPlan& item = a.items[item_idx];
-    rk = item.rotation.r_k + item.rotation.stride * h;
+    rk = item.rotation.r_k + item.rotation.stride * a.KvHead(h);
     has_history = item.num_pages > 0;
   }
   const int cg = tid % CG, slice = tid / CG;

@@ -546,6 +546,30 @@ void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int n, int
   }
 }
 
+void PairHeadUnits(const WorkUnit* work, long num_work, const HeadPartials* heads, int n, int H,
+                   long partials, WorkUnit* out_work, HeadPartials* out_heads) {
+  const int half = static_cast<int>(partials);  // the partials of one half
+  auto shifted = [](int partial, int by) { return partial >= 0 ? partial + by : -1; };
+  for (long u = 0; u < num_work; ++u) {
+    for (int s = 0; s < 2; ++s) {
+      WorkUnit& p = out_work[2 * u + s] = work[u];
+      const int by = s * half;
+      p.kv_head = 2 * work[u].kv_head + s;
+      p.exact_head = 2 * work[u].exact_head + s;
+      p.partial = shifted(work[u].partial, by);
+      p.exact_partial = shifted(work[u].exact_partial, by);
+      p.next_partial = shifted(work[u].next_partial, by);
+    }
+  }
+  for (long ih = 0; ih < long(n) * H; ++ih) {
+    for (int s = 0; s < 2; ++s) {
+      HeadPartials& hp = out_heads[2 * ih + s] = heads[ih];
+      hp.hist_first += s * half;
+      hp.exact_first += s * half;
+    }
+  }
+}
+
 void FillClusterUnits(const AttendItem* items, int n, int H, int cluster, int clusters_per_head,
                       WorkUnit* work) {
   const int units = cluster * clusters_per_head;  // per (item, kv head)

@@ -199,6 +199,21 @@ void FoldedPageCuts(long pages, int splits, long ppu, int num_exact, int per, lo
 void FillAttendUnits(const UnitSizes& sizes, const AttendItem* items, int num_items,
                      int kv_heads, WorkUnit* work, HeadPartials* heads);
 
+// Paired heads (LaunchArgs::head_shift = 1): a batch with 2g query heads
+// per kv head (g <= 4) runs on the split kernel of g, over 2H plan heads,
+// plan head 2h + s taking query heads 2g·h + g·s .. + g - 1 of kv head h.
+// Expands the plan of the H kv heads (`num_work` units, `partials` partial
+// indices, heads[item·H + h]) into that of the plan heads: unit u becomes
+// units 2u (s = 0) and 2u + 1 (s = 1), the same ranges of the same kv head
+// (2·kv_head + s, exact_head likewise; a second history part is then plan
+// head kv_head + 2), so that the two blocks read each page at about the
+// same time and the second read finds it in L2; half s writes the partials
+// of the kv heads' plan shifted by s·partials, and
+// out_heads[item·2H + 2h + s] lists them. Writes 2·num_work units.
+void PairHeadUnits(const WorkUnit* work, long num_work, const HeadPartials* heads,
+                   int num_items, int kv_heads, long partials, WorkUnit* out_work,
+                   HeadPartials* out_heads);
+
 // An exact block's weight against one history page when the cluster
 // kernel's ranks share an (item, kv head): a 32-token BF16 block of one kv
 // head is 16 KB of K and V against a page's ~2.3 KB, read by fewer warps in

@@ -516,6 +516,123 @@ TEST(AttendSchedule, TheGpuTestsFlatBatchHasUnitsOfEveryKind) {
   }
 }
 
+// Paired heads (PairHeadUnits): the kv heads' plan doubled into 2H plan
+// heads. Units 2u and 2u + 1 are unit u for plan heads 2h and 2h + 1 (the
+// same pages and blocks, read side by side); every (item, plan head) page
+// and exact block is covered once, a second history part goes to plan head
+// kv_head + 2 (the next kv head's half), every partial of [0, 2 x partials)
+// is written once, and each plan head's partial ranges name exactly what its
+// parts wrote.
+void CheckPairedPlan(const Case& c) {
+  const int n = static_cast<int>(c.items.size()), H = c.kv_heads, Hp = 2 * H;
+  const UnitSizes sizes =
+      SizeAttendUnits(c.items.data(), n, H, c.capacity, c.fold, c.exact_first, c.flat_cut);
+  std::vector<WorkUnit> work(sizes.num_work());
+  std::vector<HeadPartials> heads(size_t(n) * H);
+  FillAttendUnits(sizes, c.items.data(), n, H, work.data(), heads.data());
+  std::vector<WorkUnit> paired(2 * work.size());
+  std::vector<HeadPartials> paired_heads(size_t(n) * Hp);
+  PairHeadUnits(work.data(), static_cast<long>(work.size()), heads.data(), n, H, sizes.partials,
+                paired.data(), paired_heads.data());
+
+  std::set<std::tuple<int, int, int>> seen_pages, seen_exact;
+  std::set<int> seen_partials;
+  std::vector<HeadSets> written(size_t(n) * Hp);
+  auto add_partial = [&](int partial) {
+    EXPECT_GE(partial, 0);
+    EXPECT_LT(partial, 2 * sizes.partials);
+    EXPECT_TRUE(seen_partials.insert(partial).second) << "partial " << partial;
+  };
+  for (size_t u = 0; u < paired.size(); ++u) {
+    const WorkUnit& w = paired[u];
+    const WorkUnit& k = work[u / 2];  // the kv heads' unit
+    const int s = static_cast<int>(u % 2);
+    SCOPED_TRACE(testing::Message() << "unit " << u);
+    EXPECT_EQ(w.item, k.item);
+    EXPECT_EQ(w.kv_head, 2 * k.kv_head + s);
+    EXPECT_EQ(w.exact_head, 2 * k.exact_head + s);
+    EXPECT_EQ(std::make_tuple(w.begin, w.end, w.exact_begin, w.exact_end, w.next_end),
+              std::make_tuple(k.begin, k.end, k.exact_begin, k.exact_end, k.next_end));
+    EXPECT_EQ(w.partial >= 0, k.partial >= 0);
+    EXPECT_EQ(w.exact_partial >= 0, k.exact_partial >= 0);
+    EXPECT_EQ(w.next_partial >= 0, k.next_partial >= 0);
+    const size_t base = size_t(w.item) * Hp;
+    if (w.partial >= 0) {
+      add_partial(w.partial);
+      written[base + w.kv_head].hist.insert(w.partial);
+      for (int pg = w.begin; pg < w.end; ++pg) {
+        EXPECT_TRUE(seen_pages.insert({w.item, w.kv_head, pg}).second);
+      }
+    }
+    if (w.next_partial >= 0) {
+      const int next = w.kv_head + 2;  // the kernel's kv_head + (1 << head_shift)
+      ASSERT_LT(next, Hp);
+      add_partial(w.next_partial);
+      written[base + next].hist.insert(w.next_partial);
+      for (int pg = 0; pg < w.next_end; ++pg) {
+        EXPECT_TRUE(seen_pages.insert({w.item, next, pg}).second);
+      }
+    }
+    if (w.exact_partial >= 0) {
+      ASSERT_LT(w.exact_head, Hp);
+      add_partial(w.exact_partial);
+      written[base + w.exact_head].exact.insert(w.exact_partial);
+      for (int e = w.exact_begin; e < w.exact_end; ++e) {
+        EXPECT_TRUE(seen_exact.insert({w.item, w.exact_head, e}).second);
+      }
+    }
+  }
+  long pages = 0, exact = 0;
+  for (const AttendItem& it : c.items) {
+    pages += it.num_pages;
+    exact += it.num_exact;
+  }
+  EXPECT_EQ(static_cast<long>(seen_pages.size()), pages * Hp);
+  EXPECT_EQ(static_cast<long>(seen_exact.size()), exact * Hp);
+  EXPECT_EQ(static_cast<long>(seen_partials.size()), 2 * sizes.partials);
+  auto range = [](int first, int count) {
+    std::set<int> r;
+    for (int k = 0; k < count; ++k) r.insert(first + k);
+    return r;
+  };
+  for (size_t ih = 0; ih < paired_heads.size(); ++ih) {
+    SCOPED_TRACE(testing::Message() << "item " << ih / Hp << " plan head " << ih % Hp);
+    EXPECT_EQ(range(paired_heads[ih].hist_first, paired_heads[ih].hist_count), written[ih].hist);
+    EXPECT_EQ(range(paired_heads[ih].exact_first, paired_heads[ih].exact_count), written[ih].exact);
+  }
+}
+
+TEST(AttendSchedule, PairedHeadsCoverEveryPlanHeadOnceWithUnitsSideBySide) {
+  // The GPU test's flat batch (second parts, the next head's blocks), B8 64K
+  // on half of 528 slots, and random batches, per head and flat.
+  CheckPairedPlan({{Item(927, 10), Item(271, 10), Item(0, 10), Item(52, 10)},
+                   8,
+                   26,
+                   FoldExact::kAuto,
+                   true,
+                   true});
+  CheckPairedPlan(
+      {std::vector<AttendItem>(8, Item(2040, 10)), 8, 264, FoldExact::kAuto, true, true});
+  std::mt19937 rng(17);
+  for (int trial = 0; trial < 40; ++trial) {
+    Case c;
+    c.kv_heads = 1 + static_cast<int>(rng() % 8);
+    c.capacity = 1 + static_cast<long>(rng() % 300);
+    const int n = static_cast<int>(rng() % 10);
+    for (int i = 0; i < n; ++i) {
+      c.items.push_back(Item(static_cast<int>(rng() % 1500), static_cast<int>(rng() % 14)));
+    }
+    SCOPED_TRACE(trial);
+    for (const FoldExact fold : {FoldExact::kAuto, FoldExact::kAlways, FoldExact::kNever}) {
+      c.fold = fold;
+      for (const bool flat : {false, true}) {
+        c.flat_cut = flat;
+        CheckPairedPlan(c);
+      }
+    }
+  }
+}
+
 TEST(AttendSchedule, FlatCutsCrossKvHeadsAtBlockAndPageBoundaries) {
   // Two kv heads of one exact block (weight 1) and 5 pages: 12 in all, 3
   // units of 4. Unit 1 ends head 0's pages, takes head 1's block and its

@@ -498,15 +498,87 @@ TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
   }
 }
 
+// Paired heads (AttendLauncher::PairsHeads): 8 and 6 query heads per kv
+// head at D 128 run as two plan heads of 4 and 3 on the integer kernel, each
+// unit of the kv heads' plan twice (PairHeadUnits), the plan heads reading
+// their kv head's pages, exact rows and rotations. Per-head cuts (variant
+// 14, the device's wave) and flat cuts with units across kv heads (variant
+// 19 on a wave of 106 blocks: the kv heads' plan is then the 53-unit plan of
+// FlatCutUnitsAcrossKvHeadsMatchReference, with second parts and the next
+// head's exact blocks), exact blocks folded and in units of their own, next
+// to items without history; against fp64 and the CPU backend with the
+// 16-bit P' tolerance. (The float kernel of g = 8 at D 128, with paired
+// heads off, is LongUnitsOfTheFloatValuePathMatchReference's.)
+TEST(CudaAttendVariant, PairedHeadsMatchReference) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  struct Plan {
+    const char* variant;
+    const char* wave;
+    const char* fold;
+    int gqa;
+  };
+  for (const Plan pl : {Plan{"14", "0", "0", 8}, Plan{"19", "106", "0", 8},
+                        Plan{"19", "106", "2", 8}, Plan{"19", "106", "1", 6}}) {
+    SCOPED_TRACE(testing::Message() << "variant " << pl.variant << " wave " << pl.wave
+                                    << " fold " << pl.fold << " g " << pl.gqa);
+    const Config cf{128, pl.gqa, 128, 8, 64, 256, 32, false, {30000, 9000, 300, 2000}};
+    const ScopedBackend backend({{"OSCARKV_CUDA_ATTEND_VARIANT", pl.variant},
+                                 {"OSCARKV_CUDA_ATTEND_WAVE_UNITS", pl.wave},
+                                 {"OSCARKV_CUDA_ATTEND_FOLD", pl.fold}});
+    ASSERT_TRUE(backend.status().ok()) << backend.status();
+    int plans = 0;
+    auto plan = [&](const AttendBatch& batch) {
+      auto launcher = AttendLauncher::Create(0);
+      ASSERT_TRUE(launcher.ok()) << launcher.status();
+      AttendLauncher& L = **launcher;
+      L.set_variant(std::atoi(pl.variant));
+      L.set_wave_units(std::atol(pl.wave));
+      L.set_fold_exact(cuda_attend::FoldExactFromNumber(std::atoi(pl.fold)));
+      ASSERT_TRUE(L.Prepare(batch, nullptr).ok());
+      ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+      const AttendSchedule& sc = L.schedule();
+      EXPECT_TRUE(sc.paired_heads);
+      EXPECT_TRUE(sc.integer_pv);
+      if (pl.variant[1] == '9') {
+        EXPECT_TRUE(sc.flat_cut);
+        EXPECT_GT(sc.second_parts, 0);
+        if (pl.fold[0] != '2') EXPECT_GT(sc.next_head_exact, 0);
+      }
+      ++plans;
+    };
+    const Errors e = RunConfig(cf, 777 + pl.gqa, 1, plan);
+    EXPECT_GT(plans, 0);
+    std::printf("paired heads (v%s, wave %s, fold %s, g %d): rel err gpu/ref %.2e cpu/ref %.2e "
+                "gpu/cpu %.2e, element gpu/ref %.2e, lse gpu/ref %.2e\n",
+                pl.variant, pl.wave, pl.fold, pl.gqa, e.gpu_ref, e.cpu_ref, e.gpu_cpu,
+                e.elem_gpu_ref, e.lse_gpu_ref);
+    EXPECT_LT(e.gpu_ref, kOutTol16);
+    EXPECT_LT(e.gpu_cpu, kOutTol16);
+    EXPECT_LT(e.lse_gpu_ref, kLseTol);
+  }
+}
+
 // Which shapes run P·V on the integer tensor cores (the schedule's
 // integer_pv, the benchmark's label): D 128, G = D, at most 4 query heads
-// per kv head, variants 6-17 and 19 (and auto); no device needed.
+// per kv head, or 6 or 8 as paired heads, variants 6-17 and 19 (and auto);
+// no device needed.
 TEST(CudaAttendLauncher, IntegerValueProductShapes) {
   using L = AttendLauncher;
   EXPECT_TRUE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 4));
   EXPECT_TRUE(L::UsesIntegerValueProduct(L::kFlatCutVariant, 128, 128, 1));
   EXPECT_TRUE(L::UsesIntegerValueProduct(6, 128, 128, 2));
-  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 8));  // g = 8
+  EXPECT_TRUE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 8));  // paired heads
+  EXPECT_TRUE(L::UsesIntegerValueProduct(L::kFlatCutVariant, 128, 128, 6));
+  EXPECT_TRUE(L::PairsHeads(L::kAutoVariant, 128, 128, 8));
+  EXPECT_TRUE(L::PairsHeads(14, 128, 128, 6));
+  EXPECT_FALSE(L::PairsHeads(L::kAutoVariant, 128, 128, 4));
+  EXPECT_FALSE(L::PairsHeads(L::kAutoVariant, 128, 128, 7));  // odd: the float kernel
+  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 7));
+  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 5));
+  EXPECT_FALSE(L::PairsHeads(3, 128, 128, 8));  // variant 3: no integer P·V
+  EXPECT_FALSE(L::UsesIntegerValueProduct(3, 128, 128, 8));
+  EXPECT_FALSE(L::PairsHeads(L::kAutoVariant, 64, 64, 8));
+  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 64, 64, 8));
   EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 64, 64, 4));
   EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 256, 256, 4));
   EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 64, 4));  // two groups
@@ -532,8 +604,10 @@ TEST(CudaAttendVariant, LongUnitsOfTheFloatValuePathMatchReference) {
   // Each shape in 2 units (one per kv head), with the exact blocks after the
   // pages and in units of their own, then in the device's wave (short units).
   for (const auto [wave, fold] : {std::pair{2L, "1"}, std::pair{2L, "2"}, std::pair{0L, "0"}}) {
+    // Paired heads off: D 128 at g = 8 runs the float kernel of g = 8.
     const ScopedBackend backend({{"OSCARKV_CUDA_ATTEND_WAVE_UNITS", std::to_string(wave)},
-                                 {"OSCARKV_CUDA_ATTEND_FOLD", fold}});
+                                 {"OSCARKV_CUDA_ATTEND_FOLD", fold},
+                                 {"OSCARKV_CUDA_ATTEND_PAIR_HEADS", "0"}});
     ASSERT_TRUE(backend.status().ok()) << backend.status();
     for (const auto [dim, gqa] : {std::pair{128, 8}, std::pair{256, 4}, std::pair{64, 8}}) {
       SCOPED_TRACE(testing::Message() << "D " << dim << " g " << gqa << " wave " << wave
@@ -546,10 +620,12 @@ TEST(CudaAttendVariant, LongUnitsOfTheFloatValuePathMatchReference) {
         AttendLauncher& L = **launcher;
         L.set_wave_units(wave);
         L.set_fold_exact(cuda_attend::FoldExactFromNumber(std::atoi(fold)));
+        L.set_pair_heads(false);
         ASSERT_TRUE(L.Prepare(batch, nullptr).ok());
         ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
         pages_per_unit = L.schedule().pages_per_unit;
         EXPECT_FALSE(L.schedule().integer_pv) << "the float path's kernel";
+        EXPECT_FALSE(L.schedule().paired_heads);
       };
       const Errors e = RunConfig(cf, 321 + dim + gqa, 1, plan);
       std::printf("float-path units (D %d g %d, wave %ld, fold %s, %d pages per unit): rel err "

@@ -14,8 +14,12 @@
 //
 //   oscarkv_gpu_bench [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]
 //                     [--q-heads 32|40|48|56|64]  (query heads over the 8 kv heads, default 32:
-//                                                 64 is g = 8, whose default runs the float
-//                                                 P'·V path; give sdpa_baseline.py the same)
+//                                                 64 is g = 8, whose default runs paired
+//                                                 heads on the integer path; give
+//                                                 sdpa_baseline.py the same)
+//                     [--pair-heads 0|1]  (1, the default: 6 or 8 query heads per kv head run
+//                                          as paired heads; 0: the float P'·V kernel of g = 8;
+//                                          see AttendLauncher::set_pair_heads)
 //                     [--variant N[,N...]]  (split-kernel variants, see AttendLauncher::set_variant;
 //                                            default: all, one table row each; with a list,
 //                                            every listed variant gets the stage breakdown)
@@ -208,6 +212,7 @@ int Main(int argc, char** argv) {
   int trace_calls = 0;
   bool trace_twice = false;
   int q_heads = 32;
+  int pair_heads = 1;
   for (int i = 1; i < argc; ++i) {
     const std::string a = argv[i];
     if (a == "--baseline" && i + 1 < argc) baseline_path = argv[++i];
@@ -219,6 +224,7 @@ int Main(int argc, char** argv) {
     else if (a == "--trace" && i + 1 < argc) trace_calls = std::atoi(argv[++i]);
     else if (a == "--trace-twice") trace_twice = true;  // with --trace
     else if (a == "--q-heads" && i + 1 < argc) q_heads = std::atoi(argv[++i]);
+    else if (a == "--pair-heads" && i + 1 < argc) pair_heads = std::atoi(argv[++i]);
     else if (a == "--variant" && i + 1 < argc) {
       // One variant or a comma-separated list.
       for (const char* p = argv[++i]; *p != '\0';) {
@@ -232,7 +238,8 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] "
                    "[--only B1_S131072] [--variant N[,N...]] [--ablate BITS] [--fold 0|1|2] "
-                   "[--trace N [--trace-twice]] [--q-heads 32..64, a multiple of 8]\n",
+                   "[--trace N [--trace-twice]] [--q-heads 32..64, a multiple of 8] "
+                   "[--pair-heads 0|1]\n",
                    argv[0]);
       return 2;
     }
@@ -524,6 +531,7 @@ int Main(int argc, char** argv) {
       (*l)->set_variant(variant);
       (*l)->set_ablate(ablate);
       (*l)->set_fold_exact(cuda_attend::FoldExactFromNumber(fold_exact));
+      (*l)->set_pair_heads(pair_heads != 0);
       batches.push_back(AttendBatch{geom, Hq, scale, items[s].data(), sh.batch});
       CKS((*l)->Prepare(batches[s], stream));
       launchers.push_back(std::move(l).value());
@@ -683,11 +691,13 @@ int Main(int argc, char** argv) {
                   sched.history_units, sched.clusters_per_head, sched.cluster_blocks);
     } else {
       const char* flat = " at most, exact blocks counted as pages, cut flat over the kv heads";
-      std::printf("units: %d exact + %d history (%d pages each%s), %d partials; ran v%d%s, "
+      std::printf("units: %d exact + %d history (%d pages each%s), %d partials; ran v%d%s%s, "
                   "merge slices of %d dims\n",
                   sched.exact_units, sched.history_units, sched.pages_per_unit,
                   sched.flat_cut ? flat : "", sched.partials, sched.variant,
                   sched.integer_pv ? "" : " (its float P'V kernel at this shape)",
+                  sched.paired_heads ? " on paired heads (two blocks per unit of the kv heads)"
+                                     : "",
                   sched.merge_slice);
     }
     for (const CallTimes* ct : {&unnamed, &named}) {
@@ -713,7 +723,7 @@ int Main(int argc, char** argv) {
                     {"bytes", bytes}, {"gbs", gbs}, {"pct_copy", 100.0 * gbs / copy_gbs},
                     {"history_units", sc.history_units}, {"exact_units", sc.exact_units},
                     {"pages_per_unit", sc.pages_per_unit}, {"ran_variant", sc.variant},
-                    {"flat_cut", sc.flat_cut},
+                    {"flat_cut", sc.flat_cut}, {"paired_heads", sc.paired_heads},
                     {"nonfinite", bad},
                     {"gpu_us", gpu_us}, {"sdpa_gpu_us", sdpa_gpu},
                     {"gpu_device_out_us", device_out_us},
