@@ -16,7 +16,9 @@
 // for the whole GQA group (the group is the MMA's N dimension).
 // That is HistoryWarp (attend_history.cuh). The default for D = 128, G = D and
 // at most 4 query heads per kv head is HistoryWarpIntPv
-// (attend_history_int.cuh): both products on the integer tensor cores.
+// (attend_history_int.cuh): both products on the integer tensor cores; at 5-8
+// it is HistoryWarpIntPv8 (attend_history_int8.cuh) or, at 6 and 8, paired
+// heads (LaunchArgs::head_shift) on HistoryWarpIntPv.
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_DEVICE_CUH_
 #define OSCARKV_KERNELS_CUDA_ATTEND_DEVICE_CUH_
 

@@ -189,7 +189,9 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
 
   // V codes: word r of tokens 16τ + {2c, 2c+1, 2c+8, 2c+9} -> t[τ][j] = dim
   // byte 4r + j of those four tokens (the P·V MMA's A rows, before masking).
-  static __device__ __forceinline__ void VCodeBytes(const Regs& x, uint32_t (&t)[2][4]) {
+  // (Any chunk registers of D = 128: also HistoryWarpIntPv8's.)
+  template <class R>
+  static __device__ __forceinline__ void VCodeBytes(const R& x, uint32_t (&t)[2][4]) {
 #pragma unroll
     for (int tau = 0; tau < 2; ++tau) {
       const uint32_t v0 = x.vc[tau][0][0], v1 = x.vc[tau][1][0];

@@ -12,6 +12,7 @@
 #include "kernels/cuda/attend_exact.cuh"
 #include "kernels/cuda/attend_history.cuh"
 #include "kernels/cuda/attend_history_int.cuh"
+#include "kernels/cuda/attend_history_int8.cuh"
 #include "kernels/cuda/attend_kernels.h"
 #include "kernels/cuda/attend_merge.cuh"
 #include "kernels/cuda/attend_prep.cuh"
@@ -58,8 +59,12 @@ template <int D, int NG, bool G8, int kMinBlocks, bool kPrefetch, bool kPipeline
           bool kShortChain = false, int kLoadOrder = 0, bool kTwoHeads = false>
 __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a) {
   using C = Cfg<D, NG, G8>;
-  using Warp = std::conditional_t<(kIntPv > 0), HistoryWarpIntPv<D, NG, G8, kIntPv, kShortChain>,
-                                  HistoryWarp<D, NG, G8, kInt>>;
+  // (At 5-8 query heads the integer path is HistoryWarpIntPv8: 16-bit P',
+  // the short chain.)
+  using IntWarp = std::conditional_t<G8, HistoryWarpIntPv8<D, NG, G8>,
+                                     HistoryWarpIntPv<D, NG, G8, kIntPv, kShortChain>>;
+  using Warp = std::conditional_t<(kIntPv > 0), IntWarp, HistoryWarp<D, NG, G8, kInt>>;
+  static_assert(!G8 || kIntPv == 0 || (kIntPv == 2 && kShortChain), "8 heads: 14's warp");
   static_assert(kIntPv == 0 || (kPrefetch && !kPipeline), "integer P·V runs the prefetch loop");
   static_assert(!kShortChain || kIntPv == 2, "the short chain: variant 8's warp");
   static_assert(kLoadOrder == 0 || kStages == 0, "load orders of the register double buffer");
@@ -380,6 +385,11 @@ inline bool UsesIntPv(int variant, int head_dim, int groups, bool g8) {
 inline bool UsesIntQk(int variant, int head_dim, bool g8) {
   return VariantFrom(variant, 3) && head_dim == 128 && !g8;
 }
+// 5-8 query heads per kv head (unpaired) on the integer tensor cores:
+// HistoryWarpIntPv8 in variant 14's and 19's kernels.
+inline bool UsesIntPv8(int variant, int head_dim, int groups) {
+  return (variant == 14 || variant == 19) && head_dim == 128 && groups == 1;
+}
 
 // The split kernels of 16-bit P' on the integer tensor cores with the
 // exact blocks first or after the pages (variants 8, 12-17 and 19): kMinBlocks
@@ -405,6 +415,11 @@ template <int D, int NG, bool G8>
 auto SplitKernelFor(int variant, bool exact_first) {
   if constexpr (D == 128 && NG == 1) {
     if (variant == 1) return &SplitKernel<D, NG, G8, 4, false>;
+  }
+  if constexpr (D == 128 && NG == 1 && G8) {
+    // HistoryWarpIntPv8 (UsesIntPv8) at 3 blocks per SM.
+    if (variant == 14) return IntPv16Kernel<D, NG, G8, 3, 0, true, 2>(exact_first);
+    if (variant == 19) return IntPv16Kernel<D, NG, G8, 3, 0, true, 2, true>(exact_first);
   }
   if constexpr (D == 128 && NG == 1 && !G8) {
     // kInt is HistoryWarp's; HistoryWarpIntPv always runs q·K on integers.
@@ -501,7 +516,8 @@ auto MergeKernelFor(bool wide, int slice) {
 template <int D, int NG, bool G8>
 absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStream_t stream) {
   LaunchArgs a = args;
-  a.int_qk = UsesIntPv(s.variant, D, NG, G8) ? 2 : UsesIntQk(s.variant, D, G8) ? 1 : 0;
+  const bool int_pv = G8 ? UsesIntPv8(s.variant, D, NG) : UsesIntPv(s.variant, D, NG, G8);
+  a.int_qk = int_pv ? 2 : UsesIntQk(s.variant, D, G8) ? 1 : 0;
   if constexpr (D == 128 && NG == 1 && !G8) {
     if (s.cluster_blocks > 0) {
       if (s.stages < 2 || s.num_work == 0) return absl::OkStatus();  // no prep stage of its own
@@ -641,9 +657,14 @@ absl::StatusOr<int> MergeBlocksPerSm() {
   return blocks;
 }
 
+bool RunsIntegerValueProduct(int variant, int head_dim, int groups, int kernel_gqa) {
+  return kernel_gqa > 4 ? UsesIntPv8(variant, head_dim, groups)
+                        : UsesIntPv(variant, head_dim, groups, false);
+}
+
 bool HasTwoHeadKernel(const LaunchShape& s) {
   return s.variant == AttendLauncher::kFlatCutVariant && s.head_dim == 128 && s.groups == 1 &&
-         !s.g8 && s.cluster_blocks == 0;
+         s.cluster_blocks == 0;
 }
 
 absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& s) {
@@ -702,9 +723,10 @@ bool AttendLauncher::PairsHeads(int variant, int head_dim, int group_size, int g
 bool AttendLauncher::UsesIntegerValueProduct(int variant, int head_dim, int group_size,
                                              int gqa) {
   if (variant == kAutoVariant) variant = kAutoLightVariant;  // 14 and 19: the same shapes
+  if (group_size <= 0) return false;
   const int kernel_gqa = PairsHeads(variant, head_dim, group_size, gqa) ? gqa / 2 : gqa;
-  return group_size > 0 &&
-         cuda_attend::UsesIntPv(variant, head_dim, head_dim / group_size, kernel_gqa > 4);
+  return cuda_attend::RunsIntegerValueProduct(variant, head_dim, head_dim / group_size,
+                                              kernel_gqa);
 }
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {

@@ -2,6 +2,11 @@
 // and the three launches (query prep, split-KV attention, merge), or variant
 // 11's one cluster kernel.
 //
+// Query heads per kv head: HistoryWarpIntPv runs up to 4 on the integer
+// tensor cores (D 128, G = D); 6 and 8 run there as paired heads
+// (PairsHeads), or on HistoryWarpIntPv8 (variants 14 and 19, and auto's
+// heavy batches), as do 5 and 7; other shapes run the float path.
+//
 // Limits of this implementation (checked by Prepare, which answers
 // UNIMPLEMENTED outside them): at most 8 query heads per kv head, group size
 // G >= D/4 (G = D is the default), page_tokens a multiple of 32.
@@ -214,20 +219,29 @@ class AttendLauncher {
   // paths (tests/gpu/cuda_attend_test.cc states the tolerances).
   static bool UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa);
   // Whether a batch of this shape runs P·V on the integer tensor cores under
-  // `variant` (variants 6-17 and 19 for D = 128, G = D, g <= 4, and g = 6
-  // or 8 with paired heads, set_pair_heads' default); other shapes run the
-  // float path (HistoryWarp: fp16 / bf16 hi-lo products, the g = 8 kernel at
-  // 5-8 query heads per kv head), whatever the variant.
+  // `variant` (D = 128, G = D: variants 6-17 and 19 at g <= 4 and at g = 6
+  // or 8 with paired heads, set_pair_heads' default; 14 and 19 (and auto)
+  // at 5-8 unpaired, with the 8-head warp HistoryWarpIntPv8); other shapes
+  // run the float path (HistoryWarp: fp16 / bf16 hi-lo products, the g = 8
+  // kernel at 5-8 query heads per kv head), whatever the variant.
   static bool UsesIntegerValueProduct(int variant, int head_dim, int group_size, int gqa);
   // Whether a batch of this shape runs with paired heads when set_pair_heads
   // is on: 6 or 8 query heads per kv head, whose halves (3 or 4 heads) would
-  // run the integer P·V path. Each kv head then becomes two plan heads
-  // (LaunchArgs::head_shift), each unit of the kv heads' plan two blocks
-  // that read the same pages (PairHeadUnits): twice the products and the
-  // reads from L2, the same bytes from DRAM, against the g = 8 float kernel.
+  // run the integer P·V path; under auto (18), only batches it counts as
+  // light (ResolveVariant with the kv heads' (token, head) pairs: 14), the
+  // heavy ones running the 8-head warp. Each kv head then becomes two plan
+  // heads (LaunchArgs::head_shift), each unit of the kv heads' plan two
+  // blocks that read the same pages (PairHeadUnits): twice the products and
+  // the reads from L2, the same bytes from DRAM. The 8-head warp
+  // (HistoryWarpIntPv8) loads and dequantizes each chunk once for 8 heads
+  // but takes 168 registers (3 blocks per SM); at 64 q / 8 kv heads on an
+  // H200 (RESULTS run 28), GPU side: B1 8K 17.8 / 19.2 us (paired / 8-head
+  // warp), 32K 25.6 / 27.5, 64K 34.2 / 35.5, 128K 52.8 / 49.4, B8 32K 105.7
+  // / 96.5, B8 64K 180.0 / 158.9.
   static bool PairsHeads(int variant, int head_dim, int group_size, int gqa);
-  // Paired heads on (the default) or off (the g = 8 float kernel at 6 and 8
-  // query heads per kv head: benchmarks and tests). The environment variable
+  // Paired heads on (the default) or off (6 and 8 query heads per kv head
+  // then run as g = 5 and 7 do: the 8-head warp under variants 14 and 19,
+  // else the g = 8 float kernel; benchmarks and tests). The environment variable
   // OSCARKV_CUDA_ATTEND_PAIR_HEADS (0 off) sets the initial value. Takes
   // effect at the next Prepare().
   void set_pair_heads(bool on) { pair_heads_ = on; }

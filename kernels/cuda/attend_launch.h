@@ -46,9 +46,15 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& shape,
 absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& shape);
 
 // Whether this shape's split kernel under shape.variant runs units of two
-// kv heads (variant 19 at D 128, one group, at most 4 query heads per kv
-// head), so that SizeAttendUnits may cut the history flat.
+// kv heads (variant 19 at D 128, one group: HistoryWarpIntPv at most 4
+// query heads per kv head, HistoryWarpIntPv8 at more), so that
+// SizeAttendUnits may cut the history flat.
 bool HasTwoHeadKernel(const LaunchShape& shape);
+
+// Whether the split kernel of `variant` runs P·V on the integer tensor
+// cores at D = head_dim, `groups` quantization groups, `kernel_gqa` query
+// heads per (plan) head: HistoryWarpIntPv (g <= 4) or HistoryWarpIntPv8.
+bool RunsIntegerValueProduct(int variant, int head_dim, int groups, int kernel_gqa);
 
 // Resident blocks per multiprocessor of the split kernel for this shape.
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& shape);

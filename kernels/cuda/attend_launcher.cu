@@ -141,13 +141,24 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const PageGeometry& geom = b.geom;
   const int H = geom.kv_heads, D = geom.head_dim, g = b.num_q_heads / H;
   const int n = b.num_items;
+  long total_pages = 0, total_exact = 0;
+  for (int i = 0; i < n; ++i) {
+    total_pages += b.items[i].num_pages;
+    total_exact += b.items[i].num_exact;
+  }
   // Paired heads (PairsHeads): 6 or 8 query heads per kv head run as two
   // plan heads of 3 or 4 each on the integer kernel (variant 11 runs the
   // default there). Hp plan heads of gp query heads each; the planner cuts
-  // the H kv heads and PairHeadUnits doubles every unit.
-  const bool paired =
-      pair_heads_ &&
-      PairsHeads(variant_ == kClusterVariant ? kDefaultVariant : variant_, D, geom.group_size, g);
+  // the H kv heads and PairHeadUnits doubles every unit. Under auto only
+  // light batches pair (counted in kv heads); heavy ones run the 8-head
+  // warp (variant 19's kernel): at 64 q / 8 kv heads on an H200 paired
+  // heads were 4-8 % faster at B1 8K-64K, the 8-head warp 6-12 % at B1 128K
+  // and B8 32K-64K (RESULTS run 28).
+  const int plan_variant = variant_ == kClusterVariant ? kDefaultVariant : variant_;
+  const bool heavy = plan_variant == kAutoVariant &&
+                     ResolveVariant(kAutoVariant, total_pages * geom.page_tokens * H,
+                                    num_sms_) == kAutoHeavyVariant;
+  const bool paired = pair_heads_ && !heavy && PairsHeads(plan_variant, D, geom.group_size, g);
   const int head_shift = paired ? 1 : 0;
   const int Hp = H << head_shift, gp = g >> head_shift;
 
@@ -158,11 +169,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   shape.num_items = n;
   shape.kv_heads = H;
   shape.hq = b.num_q_heads;
-  long total_pages = 0, total_exact = 0;
-  for (int i = 0; i < n; ++i) {
-    total_pages += b.items[i].num_pages;
-    total_exact += b.items[i].num_exact;
-  }
   const long history_token_heads = total_pages * geom.page_tokens * Hp;
   shape.variant = ResolveVariant(variant_, history_token_heads, num_sms_);
   shape.stages = stages_;
@@ -508,7 +514,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.pages_uploaded = table_pages + new_entries;
   schedule_.clusters_per_head = shape.cluster_blocks > 0 ? clusters_per_head : 0;
   schedule_.variant = shape.variant;
-  schedule_.integer_pv = gp <= 4 && UsesIntegerValueProduct(shape.variant, D, geom.group_size, gp);
+  schedule_.integer_pv = cuda_attend::RunsIntegerValueProduct(shape.variant, D, shape.groups, gp);
   schedule_.paired_heads = paired;
   schedule_.merge_slice = shape.merge_slice;
   schedule_.flat_cut = sizes.flat;

@@ -28,7 +28,9 @@ __device__ __forceinline__ void WaitForPrerequisites() {
 // bytes [4rg, 4rg+4) of thread c's 8 code bytes, column n; byte b holds the
 // digit of dim d = 8c + 4rg + b + 32kk, where v = q'·inv·4^(3-kk) =
 // Σ_j digit_j·128^-j. int_qk 1: column n is digit 2t + n/4 of head n%4;
-// 2 (paired, HistoryWarpIntPv): digit 2t + n%2 of head n/2.
+// 2 (paired, HistoryWarpIntPv): digit 2t + n%2 of head n/2. At 5-8 query
+// heads (HistoryWarpIntPv8, paired only) twice that, 4 n-tiles: tile t holds
+// digits 2(t%2) + n%2 of head 4(t/2) + n/2.
 constexpr int kIntFragWords = 2 * 4 * 2 * 32;
 struct IntFragSlot {
   int col;    // the query head (column) of the word
@@ -36,7 +38,8 @@ struct IntFragSlot {
 };
 __device__ __forceinline__ IntFragSlot IntFragSlotOf(int idx, bool paired) {
   const int n = (idx & 31) >> 2, t = idx >> 8;
-  return {paired ? n >> 1 : n & 3, 2 * t + (paired ? n & 1 : (n >= 4 ? 1 : 0))};
+  if (paired) return {4 * (t >> 1) + (n >> 1), 2 * (t & 1) + (n & 1)};
+  return {n & 3, 2 * t + (n >= 4 ? 1 : 0)};
 }
 // The weight 4^(3-kk) of code field kk in the integer digits' values.
 __device__ __forceinline__ float DigitFieldScale(int kk) {
@@ -71,7 +74,8 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
   constexpr int NT = G8 ? 2 : 1, KS = D / 16, Q = D / 4;
   const int g = a.g;
   if (int_format) {
-    uint32_t* frag = a.qfrag + (size_t(item_idx) * a.PlanHeads() + h) * kIntFragWords;
+    constexpr int kWords = (G8 ? 2 : 1) * kIntFragWords;
+    uint32_t* frag = a.qfrag + (size_t(item_idx) * a.PlanHeads() + h) * kWords;
     // Lane q of warp 0 makes the 4 digits of the 4 dims of one (c, rg, kk)
     // (IntFragWord's arithmetic, every digit of one chain at once) and
     // writes the head's 4 words that hold them: a B = 1 call waits on this
@@ -93,13 +97,15 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
       const bool paired = a.int_qk == 2;
 #pragma unroll
       for (int j = 0; j < 4; ++j) {
-        // Digit j sits in n-tile j / 2, column (IntFragSlotOf's inverse).
-        const int n = paired ? 2 * hh + (j & 1) : hh + 4 * (j & 1);
-        frag[((j >> 1) << 8) | (kk << 6) | (rg << 5) | (n << 2) | c] = words[j];
+        // Digit j sits in n-tile j / 2 (+ 2 for heads 4-7), column n
+        // (IntFragSlotOf's inverse).
+        const int tile = G8 ? 2 * (hh >> 2) + (j >> 1) : j >> 1;
+        const int n = paired ? 2 * (hh & 3) + (j & 1) : hh + 4 * (j & 1);
+        frag[(tile << 8) | (kk << 6) | (rg << 5) | (n << 2) | c] = words[j];
       }
     }
-    if (hh == 0 && g < 4) {  // the columns of heads g..3 stay zero
-      for (int idx = threadIdx.x; idx < kIntFragWords; idx += blockDim.x) {
+    if (hh == 0 && g < (G8 ? 8 : 4)) {  // the columns of heads g.. stay zero
+      for (int idx = threadIdx.x; idx < kWords; idx += blockDim.x) {
         if (IntFragSlotOf(idx, a.int_qk == 2).col >= g) frag[idx] = 0;
       }
     }
@@ -185,7 +191,8 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
   const int item_idx = head_idx / a.hq, qh = head_idx % a.hq;
   const int g = a.g, h = qh / g, hh = qh % g;
   const int tid = threadIdx.x;
-  const bool kIntFormat = a.int_qk && D == 128 && !G8;
+  // At 5-8 heads, only HistoryWarpIntPv8's paired digits (int_qk 2).
+  const bool kIntFormat = D == 128 && (G8 ? a.int_qk == 2 : a.int_qk != 0);
   Trace(a.trace[kTracePrep], blockIdx.x, kTraceStart);
   WaitForPrerequisites();
   LaunchDependents();

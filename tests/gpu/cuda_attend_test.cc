@@ -498,63 +498,69 @@ TEST(CudaAttendVariant, FlatCutUnitsAcrossKvHeadsMatchReference) {
   }
 }
 
-// Paired heads (AttendLauncher::PairsHeads): 8 and 6 query heads per kv
-// head at D 128 run as two plan heads of 4 and 3 on the integer kernel, each
-// unit of the kv heads' plan twice (PairHeadUnits), the plan heads reading
-// their kv head's pages, exact rows and rotations. Per-head cuts (variant
-// 14, the device's wave) and flat cuts with units across kv heads (variant
-// 19 on a wave of 106 blocks: the kv heads' plan is then the 53-unit plan of
+// 6 and 8 query heads per kv head at D 128 on the integer path, both ways:
+// paired heads (AttendLauncher::PairsHeads: two plan heads of 3 or 4, each
+// unit of the kv heads' plan twice, PairHeadUnits; the plan heads read their
+// kv head's pages, exact rows and rotations) and, with pairing off, the
+// 8-head warp (HistoryWarpIntPv8). Per-head cuts (variant 14, the device's
+// wave) and flat cuts with units across kv heads (variant 19 on a wave of 53
+// units of the kv heads, 106 blocks when paired: the plan of
 // FlatCutUnitsAcrossKvHeadsMatchReference, with second parts and the next
 // head's exact blocks), exact blocks folded and in units of their own, next
 // to items without history; against fp64 and the CPU backend with the
-// 16-bit P' tolerance. (The float kernel of g = 8 at D 128, with paired
-// heads off, is LongUnitsOfTheFloatValuePathMatchReference's.)
-TEST(CudaAttendVariant, PairedHeadsMatchReference) {
+// 16-bit P' tolerance. (The float kernel of g = 8 at D 128, variant 3, is
+// LongUnitsOfTheFloatValuePathMatchReference's.)
+TEST(CudaAttendVariant, EightAndSixHeadsPerKvHeadOnTheIntegerPathMatchReference) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   struct Plan {
     const char* variant;
-    const char* wave;
+    long wave;  // units of the kv heads' plan (0: the device's)
     const char* fold;
     int gqa;
   };
-  for (const Plan pl : {Plan{"14", "0", "0", 8}, Plan{"19", "106", "0", 8},
-                        Plan{"19", "106", "2", 8}, Plan{"19", "106", "1", 6}}) {
-    SCOPED_TRACE(testing::Message() << "variant " << pl.variant << " wave " << pl.wave
-                                    << " fold " << pl.fold << " g " << pl.gqa);
-    const Config cf{128, pl.gqa, 128, 8, 64, 256, 32, false, {30000, 9000, 300, 2000}};
-    const ScopedBackend backend({{"OSCARKV_CUDA_ATTEND_VARIANT", pl.variant},
-                                 {"OSCARKV_CUDA_ATTEND_WAVE_UNITS", pl.wave},
-                                 {"OSCARKV_CUDA_ATTEND_FOLD", pl.fold}});
-    ASSERT_TRUE(backend.status().ok()) << backend.status();
-    int plans = 0;
-    auto plan = [&](const AttendBatch& batch) {
-      auto launcher = AttendLauncher::Create(0);
-      ASSERT_TRUE(launcher.ok()) << launcher.status();
-      AttendLauncher& L = **launcher;
-      L.set_variant(std::atoi(pl.variant));
-      L.set_wave_units(std::atol(pl.wave));
-      L.set_fold_exact(cuda_attend::FoldExactFromNumber(std::atoi(pl.fold)));
-      ASSERT_TRUE(L.Prepare(batch, nullptr).ok());
-      ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
-      const AttendSchedule& sc = L.schedule();
-      EXPECT_TRUE(sc.paired_heads);
-      EXPECT_TRUE(sc.integer_pv);
-      if (pl.variant[1] == '9') {
-        EXPECT_TRUE(sc.flat_cut);
-        EXPECT_GT(sc.second_parts, 0);
-        if (pl.fold[0] != '2') EXPECT_GT(sc.next_head_exact, 0);
-      }
-      ++plans;
-    };
-    const Errors e = RunConfig(cf, 777 + pl.gqa, 1, plan);
-    EXPECT_GT(plans, 0);
-    std::printf("paired heads (v%s, wave %s, fold %s, g %d): rel err gpu/ref %.2e cpu/ref %.2e "
-                "gpu/cpu %.2e, element gpu/ref %.2e, lse gpu/ref %.2e\n",
-                pl.variant, pl.wave, pl.fold, pl.gqa, e.gpu_ref, e.cpu_ref, e.gpu_cpu,
-                e.elem_gpu_ref, e.lse_gpu_ref);
-    EXPECT_LT(e.gpu_ref, kOutTol16);
-    EXPECT_LT(e.gpu_cpu, kOutTol16);
-    EXPECT_LT(e.lse_gpu_ref, kLseTol);
+  for (const bool pair : {true, false}) {
+    for (const Plan pl : {Plan{"14", 0, "2", 8}, Plan{"19", 53, "0", 8}, Plan{"19", 53, "1", 6}}) {
+      const long wave = pair ? 2 * pl.wave : pl.wave;
+      SCOPED_TRACE(testing::Message() << (pair ? "paired" : "8-head warp") << ", variant "
+                                      << pl.variant << " wave " << wave << " fold " << pl.fold
+                                      << " g " << pl.gqa);
+      const Config cf{128, pl.gqa, 128, 8, 64, 256, 32, false, {30000, 9000, 300, 2000}};
+      const ScopedBackend backend({{"OSCARKV_CUDA_ATTEND_VARIANT", pl.variant},
+                                   {"OSCARKV_CUDA_ATTEND_WAVE_UNITS", std::to_string(wave)},
+                                   {"OSCARKV_CUDA_ATTEND_FOLD", pl.fold},
+                                   {"OSCARKV_CUDA_ATTEND_PAIR_HEADS", pair ? "1" : "0"}});
+      ASSERT_TRUE(backend.status().ok()) << backend.status();
+      int plans = 0;
+      auto plan = [&](const AttendBatch& batch) {
+        auto launcher = AttendLauncher::Create(0);
+        ASSERT_TRUE(launcher.ok()) << launcher.status();
+        AttendLauncher& L = **launcher;
+        L.set_variant(std::atoi(pl.variant));
+        L.set_wave_units(wave);
+        L.set_fold_exact(cuda_attend::FoldExactFromNumber(std::atoi(pl.fold)));
+        L.set_pair_heads(pair);
+        ASSERT_TRUE(L.Prepare(batch, nullptr).ok());
+        ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+        const AttendSchedule& sc = L.schedule();
+        EXPECT_EQ(sc.paired_heads, pair);
+        EXPECT_TRUE(sc.integer_pv);
+        if (pl.variant[1] == '9') {
+          EXPECT_TRUE(sc.flat_cut);
+          EXPECT_GT(sc.second_parts, 0);
+          if (pl.fold[0] != '2') EXPECT_GT(sc.next_head_exact, 0);
+        }
+        ++plans;
+      };
+      const Errors e = RunConfig(cf, 777 + pl.gqa, 1, plan);
+      EXPECT_GT(plans, 0);
+      std::printf("%s (v%s, wave %ld, fold %s, g %d): rel err gpu/ref %.2e cpu/ref %.2e "
+                  "gpu/cpu %.2e, element gpu/ref %.2e, lse gpu/ref %.2e\n",
+                  pair ? "paired heads" : "8-head warp", pl.variant, wave, pl.fold, pl.gqa,
+                  e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.elem_gpu_ref, e.lse_gpu_ref);
+      EXPECT_LT(e.gpu_ref, kOutTol16);
+      EXPECT_LT(e.gpu_cpu, kOutTol16);
+      EXPECT_LT(e.lse_gpu_ref, kLseTol);
+    }
   }
 }
 
@@ -572,9 +578,10 @@ TEST(CudaAttendLauncher, IntegerValueProductShapes) {
   EXPECT_TRUE(L::PairsHeads(L::kAutoVariant, 128, 128, 8));
   EXPECT_TRUE(L::PairsHeads(14, 128, 128, 6));
   EXPECT_FALSE(L::PairsHeads(L::kAutoVariant, 128, 128, 4));
-  EXPECT_FALSE(L::PairsHeads(L::kAutoVariant, 128, 128, 7));  // odd: the float kernel
-  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 7));
-  EXPECT_FALSE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 5));
+  EXPECT_FALSE(L::PairsHeads(L::kAutoVariant, 128, 128, 7));  // odd: the 8-head warp
+  EXPECT_TRUE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 7));
+  EXPECT_TRUE(L::UsesIntegerValueProduct(L::kFlatCutVariant, 128, 128, 5));
+  EXPECT_FALSE(L::UsesIntegerValueProduct(15, 128, 128, 7));  // the 8-head warp: 14 and 19
   EXPECT_FALSE(L::PairsHeads(3, 128, 128, 8));  // variant 3: no integer P·V
   EXPECT_FALSE(L::UsesIntegerValueProduct(3, 128, 128, 8));
   EXPECT_FALSE(L::PairsHeads(L::kAutoVariant, 64, 64, 8));
@@ -604,9 +611,11 @@ TEST(CudaAttendVariant, LongUnitsOfTheFloatValuePathMatchReference) {
   // Each shape in 2 units (one per kv head), with the exact blocks after the
   // pages and in units of their own, then in the device's wave (short units).
   for (const auto [wave, fold] : {std::pair{2L, "1"}, std::pair{2L, "2"}, std::pair{0L, "0"}}) {
-    // Paired heads off: D 128 at g = 8 runs the float kernel of g = 8.
+    // Variant 3 with paired heads off: D 128 at g = 8 runs the float kernel
+    // of g = 8 (the other shapes run it under every variant).
     const ScopedBackend backend({{"OSCARKV_CUDA_ATTEND_WAVE_UNITS", std::to_string(wave)},
                                  {"OSCARKV_CUDA_ATTEND_FOLD", fold},
+                                 {"OSCARKV_CUDA_ATTEND_VARIANT", "3"},
                                  {"OSCARKV_CUDA_ATTEND_PAIR_HEADS", "0"}});
     ASSERT_TRUE(backend.status().ok()) << backend.status();
     for (const auto [dim, gqa] : {std::pair{128, 8}, std::pair{256, 4}, std::pair{64, 8}}) {
@@ -620,6 +629,7 @@ TEST(CudaAttendVariant, LongUnitsOfTheFloatValuePathMatchReference) {
         AttendLauncher& L = **launcher;
         L.set_wave_units(wave);
         L.set_fold_exact(cuda_attend::FoldExactFromNumber(std::atoi(fold)));
+        L.set_variant(3);
         L.set_pair_heads(false);
         ASSERT_TRUE(L.Prepare(batch, nullptr).ok());
         ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
@@ -712,6 +722,45 @@ TEST(CudaAttendVariant, AutoRunsNineteenFromTheHeavyThresholdElseFourteen) {
     }
   }
   EXPECT_TRUE(AttendLauncher::UsesFixedPoint16(kAuto, 128, 128, 4));
+}
+
+// Auto at 8 query heads per kv head (D 128): paired heads on a batch it
+// counts as light (in kv heads' (token, head) pairs), the 8-head warp with
+// variant 19's flat cut on a heavy one (RESULTS run 28); with pairing off,
+// the 8-head warp on both. Prepare only (it reads no page; every entry of
+// the tables points at one device page).
+TEST(CudaAttendVariant, AutoPairsLightBatchesAtEightHeadsAndRunsTheEightHeadWarpOnHeavyOnes) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  int sms = 0;
+  ASSERT_EQ(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0), cudaSuccess);
+  const PageGeometry geom{8, 128, 128, 32};
+  void* page = nullptr;
+  ASSERT_EQ(cudaMalloc(&page, geom.page_bytes()), cudaSuccess);
+  const auto* rot = static_cast<const float*>(page);
+  // Light: 8K tokens; heavy: the first page count past the threshold.
+  const long heavy_pages =
+      AttendLauncher::kHeavyTokenHeadsPerSm * sms / (geom.page_tokens * geom.kv_heads) + 1;
+  for (const long pages : {256L, heavy_pages}) {
+    for (const bool pair : {true, false}) {
+      SCOPED_TRACE(testing::Message() << pages << " pages, pairing " << pair);
+      std::vector<const uint8_t*> table(pages, static_cast<const uint8_t*>(page));
+      std::vector<float> q(64 * 128, 0.5f), out(64 * 128);
+      AttendItem item{q.data(), out.data(), nullptr, RotationRef{rot, rot, 0}, nullptr, 0,
+                      table.data(), static_cast<int>(pages)};
+      const AttendBatch b{geom, 64, 0.088f, &item, 1};
+      auto launcher = AttendLauncher::Create(0);
+      ASSERT_TRUE(launcher.ok()) << launcher.status();
+      (*launcher)->set_pair_heads(pair);
+      ASSERT_TRUE((*launcher)->Prepare(b, nullptr).ok());
+      ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
+      const AttendSchedule& sc = (*launcher)->schedule();
+      const bool heavy = pages == heavy_pages;
+      EXPECT_EQ(sc.paired_heads, pair && !heavy);
+      EXPECT_TRUE(sc.integer_pv);
+      if (heavy) EXPECT_EQ(sc.variant, AttendLauncher::kFlatCutVariant);
+    }
+  }
+  ASSERT_EQ(cudaFree(page), cudaSuccess);
 }
 
 TEST(CudaAttendLimits, UnsupportedShapesAndBadItemsGiveAClearStatus) {

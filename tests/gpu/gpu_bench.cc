@@ -15,11 +15,13 @@
 //   oscarkv_gpu_bench [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]
 //                     [--q-heads 32|40|48|56|64]  (query heads over the 8 kv heads, default 32:
 //                                                 64 is g = 8, whose default runs paired
-//                                                 heads on the integer path; give
-//                                                 sdpa_baseline.py the same)
+//                                                 heads or the 8-head warp on the integer
+//                                                 path; give sdpa_baseline.py the same)
 //                     [--pair-heads 0|1]  (1, the default: 6 or 8 query heads per kv head run
-//                                          as paired heads; 0: the float P'·V kernel of g = 8;
-//                                          see AttendLauncher::set_pair_heads)
+//                                          as paired heads where AttendLauncher::PairsHeads
+//                                          says; 0: never (the 8-head warp under variants 14,
+//                                          19 and auto, the float P'·V kernel of g = 8 under
+//                                          the others); see AttendLauncher::set_pair_heads)
 //                     [--variant N[,N...]]  (split-kernel variants, see AttendLauncher::set_variant;
 //                                            default: all, one table row each; with a list,
 //                                            every listed variant gets the stage breakdown)

@@ -7,7 +7,10 @@
 //   - HistoryWarpIntPv<.., 2 digits, kShortChain> (variant 12), also through
 //     the loops of variants 13 and 14 (the default; 15 runs 14's), which
 //     must give 12's results bit for bit,
-//   - HistoryWarp with integer q·K (variant 3: bf16 hi/lo P').
+//   - HistoryWarp with integer q·K (variant 3: bf16 hi/lo P'),
+//   - HistoryWarpIntPv8 (variants 14 and 19 at 5-8 query heads per kv head),
+//     which must give, head for head, the 4-head warp of variant 12's bits
+//     on the same query digits.
 // Logits come from each warp's own q·K (random query digits, so they are not
 // a real query's); the reference takes those logits and computes, in fp64,
 // o = Σ_t 2^(lg_t − M) (s_t c_t + min_t) / Σ_t 2^(lg_t − M) from the page
@@ -34,6 +37,7 @@
 
 #include "gtest/gtest.h"
 #include "kernels/cuda/attend_history_int.cuh"
+#include "kernels/cuda/attend_history_int8.cuh"
 #include "kernels/numeric.h"
 #include "kernels/page_format.h"
 #include "tests/gpu/softmax_check.h"
@@ -43,6 +47,7 @@ namespace {
 
 using cuda_attend::HistoryWarp;
 using cuda_attend::HistoryWarpIntPv;
+using cuda_attend::HistoryWarpIntPv8;
 using cuda_attend::kQueryMetaFloats;
 using cuda_attend::LaunchArgs;
 
@@ -95,6 +100,16 @@ struct LogitMap<HistoryWarpIntPv<D, NG, G8, kDigits, kShort>> {
   static void At(int lane, int tau, int e, int* head, int* token) {
     *head = lane & 3;
     *token = 16 * tau + (lane >> 2) + 8 * e;
+  }
+};
+template <int D, int NG, bool G8>
+struct LogitMap<HistoryWarpIntPv8<D, NG, G8>> {
+  static constexpr int kHeadDim = D, kGroups = NG;
+  static constexpr int E = 4;
+  static QueryFormat Query() { return {4 * 4 * 2 * 32, false}; }
+  static void At(int lane, int tau, int e, int* head, int* token) {
+    *head = (lane & 3) + 4 * (e >> 1);
+    *token = 16 * tau + (lane >> 2) + 8 * (e & 1);
   }
 };
 template <int D, int NG, bool G8, bool kInt>
@@ -477,6 +492,60 @@ TEST(HistoryWarpEmulation, LoadOrdersGiveVariant12sBitsAtEveryChunkCount) {
     EXPECT_LT(CompareWithFp64(in, o12).o, kOutTol);
     EXPECT_TRUE(SameBits(RunWalk<Warp12, 1, /*kLoadOrder=*/1>(in), o12)) << "variant 13";
     EXPECT_TRUE(SameBits(RunWalk<Warp12, 1, /*kLoadOrder=*/2>(in), o12)) << "variant 14";
+  }
+}
+
+// The 8-head integer warp (HistoryWarpIntPv8, variants 14 and 19 at 5-8
+// query heads per kv head) over its chunks as variant 14's loop runs them:
+// against fp64, and head for head against the 4-head warp of variant 12
+// (whose loop 14's gives bit for bit) on the two halves of its query digits
+// (tiles 2s, 2s + 1 and the meta of heads 4s..4s + 3): the same products in
+// the same order, so the same bits (o, m, l, logits).
+TEST(HistoryWarpEmulation, EightHeadWarpMatchesFp64AndTheFourHeadWarpHeadForHead) {
+  using Warp8x = HistoryWarpIntPv8<kD, 1, true>;
+  struct Eight {
+    int g, pages;
+    Logits logits;
+    bool zero_rows;
+  };
+  for (const Eight c : {Eight{8, 8, Logits::kSpread, false}, Eight{8, 5, Logits::kPeaky, true},
+                        Eight{7, 6, Logits::kRising, true}, Eight{5, 4, Logits::kLarge, false},
+                        Eight{6, 1, Logits::kSpread, true}}) {
+    SCOPED_TRACE(testing::Message() << "g " << c.g << ", " << c.pages << " chunks");
+    const Input in = MakeInput<Warp8x>(c.g, c.pages, c.logits, c.zero_rows, 9000 + c.g + c.pages);
+    const Output o8x = RunWalk<Warp8x, 1, /*kLoadOrder=*/2>(in);
+    const Errors e = CompareWithFp64(in, o8x);
+    std::printf("8-head warp, g %d, %d chunks: o err %.2e, l err %.1e\n", c.g, c.pages, e.o,
+                e.l);
+    EXPECT_LT(e.o, kOutTol);
+    EXPECT_LT(e.l, kSumTol);
+    EXPECT_TRUE(SameBits(RunHistoryWarp<Warp8x>(in), o8x)) << "variant 12's loop against 14's";
+    for (int s = 0; s * 4 < c.g; ++s) {
+      // Half s as a 4-head input: words [s·512, +512) of each kv head's
+      // fragments, heads 4s.. of its meta.
+      Input half = in;
+      half.g = std::min(4, c.g - 4 * s);
+      constexpr int kWords = 2 * 4 * 2 * 32;
+      half.qfrag.assign(size_t(in.geom.kv_heads) * kWords, 0u);
+      half.qmeta.assign(size_t(in.geom.kv_heads) * half.g * kQueryMetaFloats, 0.0f);
+      for (int h = 0; h < in.geom.kv_heads; ++h) {
+        std::copy_n(in.qfrag.begin() + (size_t(h) * 2 + s) * kWords, kWords,
+                    half.qfrag.begin() + size_t(h) * kWords);
+        std::copy_n(in.qmeta.begin() + (size_t(h) * c.g + 4 * s) * kQueryMetaFloats,
+                    half.g * kQueryMetaFloats,
+                    half.qmeta.begin() + size_t(h) * half.g * kQueryMetaFloats);
+      }
+      const Output o4 = RunHistoryWarp<Warp12>(half);
+      for (int hh = 0; hh < half.g; ++hh) {
+        SCOPED_TRACE(testing::Message() << "head " << 4 * s + hh);
+        EXPECT_EQ(std::memcmp(o4.o[hh], o8x.o[4 * s + hh], sizeof(o4.o[hh])), 0);
+        EXPECT_EQ(std::memcmp(&o4.m[hh], &o8x.m[4 * s + hh], sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(&o4.l[hh], &o8x.l[4 * s + hh], sizeof(float)), 0);
+        EXPECT_EQ(std::memcmp(o4.logits[hh].data(), o8x.logits[4 * s + hh].data(),
+                              o4.logits[hh].size() * sizeof(double)),
+                  0);
+      }
+    }
   }
 }
 
