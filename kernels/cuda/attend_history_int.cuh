@@ -130,8 +130,25 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   // Logits of the chunk's 16-token tile tau (tokens 16τ + r + 8e, e = 0, 1).
   __device__ __forceinline__ void LogitsTile(const Regs& x, int tau, float (&lgt)[2]) const {
     int s[2][4];
+    DigitSums(x, tau, qb, s);
 #pragma unroll
-    for (int t = 0; t < 2; ++t)
+    for (int e = 0; e < 2; ++e) {
+      // Digits 0..3 of head c: tile 0 columns 2c, 2c+1, tile 1 the same.
+      const uint32_t kp = x.kp[2 * tau + e][0];
+      lgt[e] = fmaf(mult * ParamScale(kp), DigitDot(s[0], s[1], e), ParamMin(kp) * qsum);
+    }
+  }
+
+  // The q·K MMAs of the chunk's 16-token tile tau against NT n-tiles of
+  // query digits (any chunk registers of D = 128: also HistoryWarpIntPv8's,
+  // with 4): s[t] = tile t's C fragment. Each code field's A fragment (one
+  // AND per 4 codes) serves every tile.
+  template <int NT, class R>
+  static __device__ __forceinline__ void DigitSums(const R& x, int tau,
+                                                   const uint32_t (&q)[NT][4][2],
+                                                   int (&s)[NT][4]) {
+#pragma unroll
+    for (int t = 0; t < NT; ++t)
 #pragma unroll
       for (int e = 0; e < 4; ++e) s[t][e] = 0;
     const uint32_t x0 = x.kc[2 * tau][0], x0b = x.kc[2 * tau][1];
@@ -141,20 +158,20 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       const uint32_t msk = 0x03030303u << (2 * k);
       const uint32_t a0 = x0 & msk, a1 = x1 & msk, a2 = x0b & msk, a3 = x1b & msk;
 #pragma unroll
-      for (int t = 0; t < 2; ++t) ImmaU8S8(s[t], a0, a1, a2, a3, qb[t][k][0], qb[t][k][1]);
+      for (int t = 0; t < NT; ++t) ImmaU8S8(s[t], a0, a1, a2, a3, q[t][k][0], q[t][k][1]);
     }
-#pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      // Digits 0..3 of head c: tile 0 columns 2c, 2c+1, tile 1 the same.
-      // Pairs combined in int32 (|s| <= 128 · 192 · 64 < 2^21, so 128·s
-      // + s' < 2^29): dot = (128 d0 + d1) / 128 + (128 d2 + d3) / 128^3.
-      const int v01 = s[0][2 * e] * 128 + s[0][2 * e + 1];
-      const int v23 = s[1][2 * e] * 128 + s[1][2 * e + 1];
-      const float dot = fmaf(static_cast<float>(v23), 4.76837158203125e-07f,
-                             static_cast<float>(v01) * 0.0078125f);
-      const uint32_t kp = x.kp[2 * tau + e][0];
-      lgt[e] = fmaf(mult * ParamScale(kp), dot, ParamMin(kp) * qsum);
-    }
+  }
+
+  // A head's q'·codes for token row r + 8e from its digit sums: lo = the C
+  // fragment of the tile with its digits 0, 1 (columns 2c, 2c+1), hi = that
+  // of digits 2, 3. Pairs combined in int32 (|s| <= 128 · 192 · 64 < 2^21,
+  // so 128·s + s' < 2^29): dot = (128 d0 + d1) / 128 + (128 d2 + d3) / 128^3.
+  static __device__ __forceinline__ float DigitDot(const int (&lo)[4], const int (&hi)[4],
+                                                   int e) {
+    const int v01 = lo[2 * e] * 128 + lo[2 * e + 1];
+    const int v23 = hi[2 * e] * 128 + hi[2 * e + 1];
+    return fmaf(static_cast<float>(v23), 4.76837158203125e-07f,
+                static_cast<float>(v01) * 0.0078125f);
   }
 
   // The online softmax's step to a chunk: its max logit for head c (over

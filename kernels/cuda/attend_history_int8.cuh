@@ -90,32 +90,17 @@ struct HistoryWarpIntPv8 : ChunkLoads<D, NG, G8> {
   // Logits of the chunk's 16-token tile tau for both heads.
   __device__ __forceinline__ void LogitsTile(const Regs& x, int tau, float (&lgt)[4]) const {
     int s[4][4];
-#pragma unroll
-    for (int t = 0; t < 4; ++t)
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[t][e] = 0;
-    const uint32_t x0 = x.kc[2 * tau][0], x0b = x.kc[2 * tau][1];
-    const uint32_t x1 = x.kc[2 * tau + 1][0], x1b = x.kc[2 * tau + 1][1];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const uint32_t msk = 0x03030303u << (2 * k);
-      const uint32_t a0 = x0 & msk, a1 = x1 & msk, a2 = x0b & msk, a3 = x1b & msk;
-#pragma unroll
-      for (int t = 0; t < 4; ++t) ImmaU8S8(s[t], a0, a1, a2, a3, qb[t][k][0], qb[t][k][1]);
-    }
+    Four::DigitSums(x, tau, qb, s);
 #pragma unroll
     for (int e = 0; e < 2; ++e) {
       const uint32_t kp = x.kp[2 * tau + e][0];
       const float ks = ParamScale(kp), kmin = ParamMin(kp);
+      // As HistoryWarpIntPv::LogitsTile, from tiles 2j (digits 0, 1) and
+      // 2j + 1 (digits 2, 3).
 #pragma unroll
       for (int j = 0; j < 2; ++j) {
-        // As HistoryWarpIntPv::LogitsTile, from tiles 2j (digits 0, 1) and
-        // 2j + 1 (digits 2, 3).
-        const int v01 = s[2 * j][2 * e] * 128 + s[2 * j][2 * e + 1];
-        const int v23 = s[2 * j + 1][2 * e] * 128 + s[2 * j + 1][2 * e + 1];
-        const float dot = fmaf(static_cast<float>(v23), 4.76837158203125e-07f,
-                               static_cast<float>(v01) * 0.0078125f);
-        lgt[2 * j + e] = fmaf(mult[j] * ks, dot, kmin * qsum[j]);
+        lgt[2 * j + e] =
+            fmaf(mult[j] * ks, Four::DigitDot(s[2 * j], s[2 * j + 1], e), kmin * qsum[j]);
       }
     }
   }

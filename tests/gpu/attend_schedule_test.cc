@@ -71,6 +71,22 @@ void CheckFlatUnit(const WorkUnit& w, const AttendItem& it, int H, int blocks) {
   if (has_exact) EXPECT_LE(w.exact_end, blocks);
 }
 
+// What the merge reads for each (item, head) (heads[ih]'s partial ranges) is
+// exactly what its parts wrote (written[ih]); `H` heads per item.
+void ExpectRangesNameWhatWasWritten(const std::vector<HeadPartials>& heads,
+                                    const std::vector<HeadSets>& written, int H) {
+  auto range = [](int first, int count) {
+    std::set<int> r;
+    for (int k = 0; k < count; ++k) r.insert(first + k);
+    return r;
+  };
+  for (size_t ih = 0; ih < heads.size(); ++ih) {
+    SCOPED_TRACE(testing::Message() << "item " << ih / H << " head " << ih % H);
+    EXPECT_EQ(range(heads[ih].hist_first, heads[ih].hist_count), written[ih].hist);
+    EXPECT_EQ(range(heads[ih].exact_first, heads[ih].exact_count), written[ih].exact);
+  }
+}
+
 void CheckPlan(const Case& c) {
   const int n = static_cast<int>(c.items.size()), H = c.kv_heads;
   const UnitSizes sizes =
@@ -197,17 +213,7 @@ void CheckPlan(const Case& c) {
   }
   EXPECT_EQ(static_cast<long>(seen_pages.size()), pages * H);
   EXPECT_EQ(static_cast<long>(seen_exact.size()), exact * H);
-  // What the merge reads for each (item, kv head) is exactly what its parts wrote.
-  auto range = [](int first, int count) {
-    std::set<int> r;
-    for (int k = 0; k < count; ++k) r.insert(first + k);
-    return r;
-  };
-  for (size_t ih = 0; ih < heads.size(); ++ih) {
-    SCOPED_TRACE(testing::Message() << "item " << ih / H << " kv head " << ih % H);
-    EXPECT_EQ(range(heads[ih].hist_first, heads[ih].hist_count), written[ih].hist);
-    EXPECT_EQ(range(heads[ih].exact_first, heads[ih].exact_count), written[ih].exact);
-  }
+  ExpectRangesNameWhatWasWritten(heads, written, H);
 }
 
 AttendItem Item(int pages, int exact) {
@@ -590,16 +596,7 @@ void CheckPairedPlan(const Case& c) {
   EXPECT_EQ(static_cast<long>(seen_pages.size()), pages * Hp);
   EXPECT_EQ(static_cast<long>(seen_exact.size()), exact * Hp);
   EXPECT_EQ(static_cast<long>(seen_partials.size()), 2 * sizes.partials);
-  auto range = [](int first, int count) {
-    std::set<int> r;
-    for (int k = 0; k < count; ++k) r.insert(first + k);
-    return r;
-  };
-  for (size_t ih = 0; ih < paired_heads.size(); ++ih) {
-    SCOPED_TRACE(testing::Message() << "item " << ih / Hp << " plan head " << ih % Hp);
-    EXPECT_EQ(range(paired_heads[ih].hist_first, paired_heads[ih].hist_count), written[ih].hist);
-    EXPECT_EQ(range(paired_heads[ih].exact_first, paired_heads[ih].exact_count), written[ih].exact);
-  }
+  ExpectRangesNameWhatWasWritten(paired_heads, written, Hp);
 }
 
 TEST(AttendSchedule, PairedHeadsCoverEveryPlanHeadOnceWithUnitsSideBySide) {
