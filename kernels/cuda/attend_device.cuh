@@ -38,14 +38,18 @@ struct LaunchArgs {
   const ItemPlan* items;
   const WorkUnit* work;
   PageGeometry geom;
-  int g;                 // query heads per kv head
+  int g;                 // query heads per plan head (per kv head unless paired)
   int hq;                // query heads
   float scale_log2;      // scale * log2(e)
-  uint32_t* qfrag;       // [item][h][NT][KS][2][32]; integer formats [item][h][2][4][2][32]
+  // [item][plan head][NT][KS][2][32]; integer formats [item][plan head][2][4][2][32],
+  // HistoryWarpIntPv8's [item][kv head][4][4][2][32]
+  uint32_t* qfrag;
   float* qmeta;          // [item][Hq][kQueryMetaFloats]
   float* partials;       // [partial][PartialFloats(g, D)] (cluster kernel: per (head, cluster,
                          // set) the normalized o [g][D], then the base-2 LSE [g])
-  int int_qk;            // query fragments: 0 fp16, 1 integer digits (kIntQK), 2 integer paired (IntPv)
+  // Query fragments: 0 fp16, 1 integer digits (kIntQK), 2 integer digits
+  // paired per head (HistoryWarpIntPv and HistoryWarpIntPv8).
+  int int_qk;
   int ablate;            // benchmarks only: parts of the history loop skipped (wrong results)
   // The cluster kernel (attend_cluster.cuh): clusters per (item, kv head),
   // and a count per (item, kv head) of the clusters done (zero between launches).

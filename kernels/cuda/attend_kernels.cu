@@ -188,7 +188,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
     // runs them after the pages, CutFlat.)
     PrefetchExactRowsL2<D>(a, wu);
   }
-  // A history part: pages [begin, end) of kv head `kv_head` into `partial`.
+  // A history part: pages [begin, end) of (plan) head `kv_head` into `partial`.
   auto run_history = [&](int kv_head, int begin, int end, int partial) {
     const int cpp = a.geom.page_tokens / 32;
     const int n = (end - begin) * cpp;
@@ -372,7 +372,9 @@ absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream
 // 10's stage ring feeding 12's warp (kShortChain; other shapes run 3); 17 =
 // 16 at 4 blocks per SM; 19 = 15 with units of two kv heads (kTwoHeads),
 // which the plan then cuts flat (HasTwoHeadKernel; other shapes run 3).
-// (18, auto, is resolved to 14 or 19 by Prepare.)
+// At D 128, one group and 5-8 query heads per kv head (unpaired), 14 and 19
+// run HistoryWarpIntPv8 at 3 blocks per SM. (18, auto, is resolved to 14 or
+// 19 by Prepare.)
 constexpr int kLastVariant = AttendLauncher::kNumVariants - 1;
 constexpr int kRingStages = 4;
 // Variants from `first` on (auto, which Prepare resolves first, not among them).
@@ -722,7 +724,10 @@ bool AttendLauncher::PairsHeads(int variant, int head_dim, int group_size, int g
 
 bool AttendLauncher::UsesIntegerValueProduct(int variant, int head_dim, int group_size,
                                              int gqa) {
-  if (variant == kAutoVariant) variant = kAutoLightVariant;  // 14 and 19: the same shapes
+  // 14 and 19: the same shapes; variant 11 above 4 heads runs auto (Prepare).
+  if (variant == kAutoVariant || (variant == kClusterVariant && gqa > 4)) {
+    variant = kAutoLightVariant;
+  }
   if (group_size <= 0) return false;
   const int kernel_gqa = PairsHeads(variant, head_dim, group_size, gqa) ? gqa / 2 : gqa;
   return cuda_attend::RunsIntegerValueProduct(variant, head_dim, head_dim / group_size,

@@ -184,7 +184,8 @@ class AttendLauncher {
   //       every shape but B8 64K (104.8 us) in run 25;
   //   18 = auto, the default: 19 (15 until 2026-12-01, session 22) when the
   //       batch's history gives each SM at least kHeavyTokenHeadsPerSm
-  //       (token, kv head) pairs, else 14 (ResolveVariant);
+  //       (token, kv head) pairs (plan heads' with paired heads), else 14
+  //       (ResolveVariant);
   //   19 = 15 with the history cut flat (attend_schedule.h's FlatCuts): each
   //       item's kv heads end to end in units of even weight, which may span
   //       two kv heads (same shapes as 12; others run 3). At B8 64K on an
@@ -228,8 +229,10 @@ class AttendLauncher {
   // Whether a batch of this shape runs with paired heads when set_pair_heads
   // is on: 6 or 8 query heads per kv head, whose halves (3 or 4 heads) would
   // run the integer P·V path; under auto (18), only batches it counts as
-  // light (ResolveVariant with the kv heads' (token, head) pairs: 14), the
-  // heavy ones running the 8-head warp. Each kv head then becomes two plan
+  // light in the kv heads' (token, head) pairs, the heavy ones running the
+  // 8-head warp (variant 19). A paired batch then resolves auto in plan
+  // heads' pairs (twice as many): B1 64K at 64 q / 8 kv heads on an H200
+  // pairs and runs 19. Each kv head then becomes two plan
   // heads (LaunchArgs::head_shift), each unit of the kv heads' plan two
   // blocks that read the same pages (PairHeadUnits): twice the products and
   // the reads from L2, the same bytes from DRAM. The 8-head warp

@@ -56,7 +56,8 @@ struct HeadPartials {
 // variant 19's kernel: SplitKernel's kTwoHeads) the exact blocks may be
 // those of kv head exact_head = kv_head + 1, and a unit may have a second
 // history part: pages [0, next_end) of kv head kv_head + 1, written to
-// partial next_partial (-1: none), run after the first.
+// partial next_partial (-1: none), run after the first. (With paired heads
+// "+ 1" is the next kv head's same half: plan head + 2.)
 struct WorkUnit {
   int item = 0;
   int kv_head = 0;

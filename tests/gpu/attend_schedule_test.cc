@@ -528,8 +528,10 @@ TEST(AttendSchedule, TheGpuTestsFlatBatchHasUnitsOfEveryKind) {
 // and exact block is covered once, a second history part goes to plan head
 // kv_head + 2 (the next kv head's half), every partial of [0, 2 x partials)
 // is written once, and each plan head's partial ranges name exactly what its
-// parts wrote.
-void CheckPairedPlan(const Case& c) {
+// parts wrote. Counts, when asked, the paired plan's units with a second
+// history part and those with the next head's exact blocks.
+void CheckPairedPlan(const Case& c, int* second_parts_out = nullptr,
+                     int* next_head_exact_out = nullptr) {
   const int n = static_cast<int>(c.items.size()), H = c.kv_heads, Hp = 2 * H;
   const UnitSizes sizes =
       SizeAttendUnits(c.items.data(), n, H, c.capacity, c.fold, c.exact_first, c.flat_cut);
@@ -544,6 +546,7 @@ void CheckPairedPlan(const Case& c) {
   std::set<std::tuple<int, int, int>> seen_pages, seen_exact;
   std::set<int> seen_partials;
   std::vector<HeadSets> written(size_t(n) * Hp);
+  int second_parts = 0, next_head_exact = 0;
   auto add_partial = [&](int partial) {
     EXPECT_GE(partial, 0);
     EXPECT_LT(partial, 2 * sizes.partials);
@@ -563,6 +566,8 @@ void CheckPairedPlan(const Case& c) {
     EXPECT_EQ(w.exact_partial >= 0, k.exact_partial >= 0);
     EXPECT_EQ(w.next_partial >= 0, k.next_partial >= 0);
     const size_t base = size_t(w.item) * Hp;
+    second_parts += w.next_partial >= 0;
+    next_head_exact += w.exact_partial >= 0 && w.exact_head != w.kv_head;
     if (w.partial >= 0) {
       add_partial(w.partial);
       written[base + w.kv_head].hist.insert(w.partial);
@@ -597,17 +602,21 @@ void CheckPairedPlan(const Case& c) {
   EXPECT_EQ(static_cast<long>(seen_exact.size()), exact * Hp);
   EXPECT_EQ(static_cast<long>(seen_partials.size()), 2 * sizes.partials);
   ExpectRangesNameWhatWasWritten(paired_heads, written, Hp);
+  if (second_parts_out != nullptr) *second_parts_out = second_parts;
+  if (next_head_exact_out != nullptr) *next_head_exact_out = next_head_exact;
 }
 
 TEST(AttendSchedule, PairedHeadsCoverEveryPlanHeadOnceWithUnitsSideBySide) {
-  // The GPU test's flat batch (second parts, the next head's blocks), B8 64K
-  // on half of 528 slots, and random batches, per head and flat.
-  CheckPairedPlan({{Item(927, 10), Item(271, 10), Item(0, 10), Item(52, 10)},
-                   8,
-                   26,
-                   FoldExact::kAuto,
-                   true,
-                   true});
+  // The GPU test's flat batch as it plans it when paired (53 units of the
+  // kv heads for a wave of 106 blocks: second parts and the next head's
+  // blocks), B8 64K on half of 528 slots, and random batches, per head and
+  // flat.
+  int second = 0, next_exact = 0;
+  CheckPairedPlan({{Item(927, 10), Item(271, 10), Item(0, 10), Item(52, 10)}, 8, 53,
+                   FoldExact::kAuto, true, true},
+                  &second, &next_exact);
+  EXPECT_GT(second, 0);
+  EXPECT_GT(next_exact, 0);
   CheckPairedPlan(
       {std::vector<AttendItem>(8, Item(2040, 10)), 8, 264, FoldExact::kAuto, true, true});
   std::mt19937 rng(17);

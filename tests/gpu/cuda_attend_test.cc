@@ -519,12 +519,16 @@ TEST(CudaAttendVariant, EightAndSixHeadsPerKvHeadOnTheIntegerPathMatchReference)
     int gqa;
   };
   for (const bool pair : {true, false}) {
-    for (const Plan pl : {Plan{"14", 0, "2", 8}, Plan{"19", 53, "0", 8}, Plan{"19", 53, "1", 6}}) {
-      const long wave = pair ? 2 * pl.wave : pl.wave;
-      SCOPED_TRACE(testing::Message() << (pair ? "paired" : "8-head warp") << ", variant "
+    for (const Plan pl : {Plan{"14", 0, "2", 8}, Plan{"19", 53, "0", 8}, Plan{"19", 53, "1", 6},
+                          Plan{"19", 53, "0", 7}}) {
+      // g = 7 never pairs (the 8-head warp either way).
+      const bool paired = pair && pl.gqa % 2 == 0;
+      const long wave = paired ? 2 * pl.wave : pl.wave;
+      SCOPED_TRACE(testing::Message() << (paired ? "paired" : "8-head warp") << ", variant "
                                       << pl.variant << " wave " << wave << " fold " << pl.fold
                                       << " g " << pl.gqa);
-      const Config cf{128, pl.gqa, 128, 8, 64, 256, 32, false, {30000, 9000, 300, 2000}};
+      // Per-head rotations (each plan head must take its kv head's R_K, R_V).
+      const Config cf{128, pl.gqa, 128, 8, 64, 256, 32, true, {30000, 9000, 300, 2000}};
       const ScopedBackend backend({{"OSCARKV_CUDA_ATTEND_VARIANT", pl.variant},
                                    {"OSCARKV_CUDA_ATTEND_WAVE_UNITS", std::to_string(wave)},
                                    {"OSCARKV_CUDA_ATTEND_FOLD", pl.fold},
@@ -542,7 +546,7 @@ TEST(CudaAttendVariant, EightAndSixHeadsPerKvHeadOnTheIntegerPathMatchReference)
         ASSERT_TRUE(L.Prepare(batch, nullptr).ok());
         ASSERT_EQ(cudaStreamSynchronize(nullptr), cudaSuccess);
         const AttendSchedule& sc = L.schedule();
-        EXPECT_EQ(sc.paired_heads, pair);
+        EXPECT_EQ(sc.paired_heads, paired);
         EXPECT_TRUE(sc.integer_pv);
         if (pl.variant[1] == '9') {
           EXPECT_TRUE(sc.flat_cut);
@@ -555,7 +559,7 @@ TEST(CudaAttendVariant, EightAndSixHeadsPerKvHeadOnTheIntegerPathMatchReference)
       EXPECT_GT(plans, 0);
       std::printf("%s (v%s, wave %ld, fold %s, g %d): rel err gpu/ref %.2e cpu/ref %.2e "
                   "gpu/cpu %.2e, element gpu/ref %.2e, lse gpu/ref %.2e\n",
-                  pair ? "paired heads" : "8-head warp", pl.variant, wave, pl.fold, pl.gqa,
+                  paired ? "paired heads" : "8-head warp", pl.variant, wave, pl.fold, pl.gqa,
                   e.gpu_ref, e.cpu_ref, e.gpu_cpu, e.elem_gpu_ref, e.lse_gpu_ref);
       EXPECT_LT(e.gpu_ref, kOutTol16);
       EXPECT_LT(e.gpu_cpu, kOutTol16);
@@ -582,6 +586,7 @@ TEST(CudaAttendLauncher, IntegerValueProductShapes) {
   EXPECT_TRUE(L::UsesIntegerValueProduct(L::kAutoVariant, 128, 128, 7));
   EXPECT_TRUE(L::UsesIntegerValueProduct(L::kFlatCutVariant, 128, 128, 5));
   EXPECT_FALSE(L::UsesIntegerValueProduct(15, 128, 128, 7));  // the 8-head warp: 14 and 19
+  EXPECT_TRUE(L::UsesIntegerValueProduct(L::kClusterVariant, 128, 128, 7));  // runs auto there
   EXPECT_FALSE(L::PairsHeads(3, 128, 128, 8));  // variant 3: no integer P·V
   EXPECT_FALSE(L::UsesIntegerValueProduct(3, 128, 128, 8));
   EXPECT_FALSE(L::PairsHeads(L::kAutoVariant, 64, 64, 8));
@@ -594,7 +599,8 @@ TEST(CudaAttendLauncher, IntegerValueProductShapes) {
 }
 
 // Long units on the float P'·V path (bf16 hi / lo P' on the float tensor
-// cores: the default's kernel at g = 8 and at head dims 64 and 256): planned
+// cores: the default's kernel at head dims 64 and 256, and at g = 8 with
+// D 128 under variant 3, which this test runs): planned
 // for a wave of 2 units, each kv head's 300 pages (9600 tokens) are one unit,
 // 2400 tokens per warp, the split of a 600K-token sequence on an H200. The
 // warp's P'·V accumulators are carried through all of them; the tensor
@@ -757,7 +763,7 @@ TEST(CudaAttendVariant, AutoPairsLightBatchesAtEightHeadsAndRunsTheEightHeadWarp
       const bool heavy = pages == heavy_pages;
       EXPECT_EQ(sc.paired_heads, pair && !heavy);
       EXPECT_TRUE(sc.integer_pv);
-      if (heavy) EXPECT_EQ(sc.variant, AttendLauncher::kFlatCutVariant);
+      EXPECT_EQ(sc.variant, heavy ? AttendLauncher::kFlatCutVariant : 14);
     }
   }
   ASSERT_EQ(cudaFree(page), cudaSuccess);
@@ -1158,10 +1164,12 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
       // the plan (AttendSchedule::plan_reused) and must attend to the new
       // blocks. Also with variant 19 planned for a wave of 7 units, whose
       // flat cut puts kv head 1's blocks and first pages on the unit that
-      // ends head 0 (D 128 with g <= 4; at g = 8 the default's float-path
-      // kernel, one 300-page unit per kv head at that wave: before the V
-      // codes were centered it erred by 1.2e-4, past the 1e-4 bound, on the
-      // H200, 2026-12-01; LongUnitsOfTheFloatValuePathMatchReference).
+      // ends head 0 (D 128 with g <= 4; at g = 8 the default, paired heads
+      // on this light batch, 3 units of the kv heads at that wave; before
+      // session 24 the float-path kernel, one 300-page unit per kv head,
+      // which before the V codes were centered erred by 1.2e-4, past the
+      // 1e-4 bound, on the H200, 2026-12-01;
+      // LongUnitsOfTheFloatValuePathMatchReference).
       std::vector<bf16_bits> blocks2_host =
           RandomKvRows(size_t(kBlocks) * block_elems / D, D, rng);
       auto blocks2 = Upload(*gpu, blocks2_host);
