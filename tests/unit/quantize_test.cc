@@ -229,5 +229,28 @@ TEST(Clip, ThresholdMatchesFullSortForAllRatios) {
   }
 }
 
+// Rows of few distinct magnitudes (runs of ties across the lane maxima, the
+// bound and the candidates), signed zeros and one-value rows: the selection
+// must still give the full sort's element.
+TEST(Clip, ThresholdMatchesFullSortOnRowsOfTies) {
+  for (int d : {64, 128, 256}) {
+    for (int levels : {1, 2, 3, 7}) {
+      std::vector<float> y = testing::RandomFloats(d, 500 + d + levels, 1.0f);
+      for (int j = 0; j < d; ++j) {
+        const float q = std::round(std::fabs(y[j]) * levels) / levels;
+        y[j] = (j % 3 == 0 ? -1.0f : 1.0f) * q;  // -0.0f where q is 0
+      }
+      std::vector<float> sorted(d), scratch(d);
+      for (int j = 0; j < d; ++j) sorted[j] = std::fabs(y[j]);
+      std::sort(sorted.begin(), sorted.end());
+      for (float ratio : {0.5f, 0.9f, 0.92f, 0.96f, 0.99f}) {
+        const int k = ClipRank(ratio, d);
+        ASSERT_EQ(ClipThreshold(y.data(), d, ratio, scratch.data()), sorted[k - 1])
+            << "d=" << d << " levels=" << levels << " ratio=" << ratio;
+      }
+    }
+  }
+}
+
 }  // namespace
 }  // namespace oscarkv
