@@ -119,6 +119,11 @@ inline float TopMthAbs(const float* y, int n, int m) {
 #endif
 }  // namespace
 
+// Candidates (elements at or above the bound) ClipThreshold ranks; more
+// (rows of ties) take std::nth_element. Rows of distinct values have about
+// m..2m <= 32.
+constexpr int kMaxRankedCandidates = 48;
+
 float ClipThreshold(const float* y, int n, float ratio, float* scratch) {
   const int k = ClipRank(ratio, n);  // 1-based rank from the bottom
   const int m = n - k + 1;           // the same element's rank from the top
@@ -141,6 +146,12 @@ float ClipThreshold(const float* y, int n, float ratio, float* scratch) {
       const float a = std::fabs(y[i]);
       scratch[c] = a;
       c += a >= bound;
+    }
+    // Rows of many equal magnitudes (a constant or zero row: every element
+    // a candidate) would make the ranks quadratic: a linear selection there.
+    if (c > kMaxRankedCandidates) {
+      std::nth_element(scratch, scratch + (m - 1), scratch + c, std::greater<float>());
+      return scratch[m - 1];
     }
     return MthLargestByRank(scratch, c, m);
   }
