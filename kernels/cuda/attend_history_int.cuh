@@ -91,13 +91,8 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
   float o[4][2][2];
 
   __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
-    const uint32_t* qf = a.qfrag + (size_t(item) * a.PlanHeads() + h) * (2 * 4 * 2 * 32);
-#pragma unroll
-    for (int nt = 0; nt < 2; ++nt)
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int rg = 0; rg < 2; ++rg) qb[nt][k][rg] = qf[((nt * 4 + k) * 2 + rg) * 32 + lane];
+    LoadDigitFragments(a.qfrag + (size_t(item) * a.PlanHeads() + h) * (2 * 4 * 2 * 32), lane,
+                       qb);
     const bool valid = c < a.g;
     const float* meta = a.qmeta + (size_t(item) * a.hq + h * a.g + (valid ? c : 0)) * kQueryMetaFloats;
     mult = valid ? meta[0] : 0.0f;
@@ -137,6 +132,20 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       const uint32_t kp = x.kp[2 * tau + e][0];
       lgt[e] = fmaf(mult * ParamScale(kp), DigitDot(s[0], s[1], e), ParamMin(kp) * qsum);
     }
+  }
+
+  // This lane's words of NT n-tiles of query digit fragments, from a plan
+  // head's fragments as the prep kernel writes them (also HistoryWarpIntPv8's,
+  // with 4).
+  template <int NT>
+  static __device__ __forceinline__ void LoadDigitFragments(const uint32_t* qf, int lane,
+                                                            uint32_t (&q)[NT][4][2]) {
+#pragma unroll
+    for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+      for (int k = 0; k < 4; ++k)
+#pragma unroll
+        for (int rg = 0; rg < 2; ++rg) q[nt][k][rg] = qf[((nt * 4 + k) * 2 + rg) * 32 + lane];
   }
 
   // The q·K MMAs of the chunk's 16-token tile tau against NT n-tiles of
@@ -378,6 +387,26 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       }
   }
 
+  // A head's accumulator acc ([code field k][byte pair bp][row r / r + 8],
+  // as o) plus its min term vlo into out[4r + 2bp + e + 32k]: field k times
+  // 4^-k (kShortChain: acc[k] holds fields 0..k, field k alone is the
+  // difference). Also HistoryWarpIntPv8's, per head.
+  static __device__ __forceinline__ void StoreHeadOutput(const float (&acc)[4][2][2], float vlo,
+                                                         int r, float* out) {
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float ks = k == 0 ? 1.0f : k == 1 ? 0.25f : k == 2 ? 0.0625f : 0.015625f;
+#pragma unroll
+      for (int bp = 0; bp < 2; ++bp)
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          const float field =
+              kShortChain && k > 0 ? acc[k][bp][e] - acc[k - 1][bp][e] : acc[k][bp][e];
+          out[4 * r + 2 * bp + e + 32 * k] = fmaf(ks, field, vlo);
+        }
+    }
+  }
+
   // Reduces l and vlo over the warp and writes head c's (m, l, acc) into
   // shared memory (acc in the rotated basis, un-normalized).
   __device__ void Finish(int g, float (*sm_o)[D], float* sm_m, float* sm_l) {
@@ -387,18 +416,7 @@ struct HistoryWarpIntPv : ChunkLoads<D, NG, G8> {
       vlo += __shfl_xor_sync(kFull, vlo, off);
     }
     if (c >= g) return;
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float ks = k == 0 ? 1.0f : k == 1 ? 0.25f : k == 2 ? 0.0625f : 0.015625f;
-#pragma unroll
-      for (int bp = 0; bp < 2; ++bp)
-#pragma unroll
-        for (int e = 0; e < 2; ++e) {
-          // kShortChain: o[k] holds fields 0..k; field k alone is the difference.
-          const float field = kShortChain && k > 0 ? o[k][bp][e] - o[k - 1][bp][e] : o[k][bp][e];
-          sm_o[c][4 * r + 2 * bp + e + 32 * k] = fmaf(ks, field, vlo);
-        }
-    }
+    StoreHeadOutput(o, vlo, r, sm_o[c]);
     if (r == 0) {
       sm_m[c] = m;
       sm_l[c] = l;

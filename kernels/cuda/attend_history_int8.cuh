@@ -47,13 +47,8 @@ struct HistoryWarpIntPv8 : ChunkLoads<D, NG, G8> {
   float o[2][4][2][2];
 
   __device__ void InitQuery(const LaunchArgs& a, int item, int h, int lane) {
-    const uint32_t* qf = a.qfrag + (size_t(item) * a.PlanHeads() + h) * (4 * 4 * 2 * 32);
-#pragma unroll
-    for (int nt = 0; nt < 4; ++nt)
-#pragma unroll
-      for (int k = 0; k < 4; ++k)
-#pragma unroll
-        for (int rg = 0; rg < 2; ++rg) qb[nt][k][rg] = qf[((nt * 4 + k) * 2 + rg) * 32 + lane];
+    Four::LoadDigitFragments(a.qfrag + (size_t(item) * a.PlanHeads() + h) * (4 * 4 * 2 * 32),
+                             lane, qb);
 #pragma unroll
     for (int j = 0; j < 2; ++j) {
       const int hh = c + 4 * j;
@@ -209,17 +204,7 @@ struct HistoryWarpIntPv8 : ChunkLoads<D, NG, G8> {
       }
       const int hh = c + 4 * j;
       if (hh >= g) continue;
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const float ks = k == 0 ? 1.0f : k == 1 ? 0.25f : k == 2 ? 0.0625f : 0.015625f;
-#pragma unroll
-        for (int bp = 0; bp < 2; ++bp)
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float field = k > 0 ? o[j][k][bp][e] - o[j][k - 1][bp][e] : o[j][k][bp][e];
-            sm_o[hh][4 * r + 2 * bp + e + 32 * k] = fmaf(ks, field, vlo[j]);
-          }
-      }
+      Four::StoreHeadOutput(o[j], vlo[j], r, sm_o[hh]);
       if (r == 0) {
         sm_m[hh] = m[j];
         sm_l[hh] = l[j];

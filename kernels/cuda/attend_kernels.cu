@@ -518,7 +518,7 @@ auto MergeKernelFor(bool wide, int slice) {
 template <int D, int NG, bool G8>
 absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStream_t stream) {
   LaunchArgs a = args;
-  const bool int_pv = G8 ? UsesIntPv8(s.variant, D, NG) : UsesIntPv(s.variant, D, NG, G8);
+  const bool int_pv = RunsIntegerValueProduct(s.variant, D, NG, G8);
   a.int_qk = int_pv ? 2 : UsesIntQk(s.variant, D, G8) ? 1 : 0;
   if constexpr (D == 128 && NG == 1 && !G8) {
     if (s.cluster_blocks > 0) {
@@ -659,9 +659,8 @@ absl::StatusOr<int> MergeBlocksPerSm() {
   return blocks;
 }
 
-bool RunsIntegerValueProduct(int variant, int head_dim, int groups, int kernel_gqa) {
-  return kernel_gqa > 4 ? UsesIntPv8(variant, head_dim, groups)
-                        : UsesIntPv(variant, head_dim, groups, false);
+bool RunsIntegerValueProduct(int variant, int head_dim, int groups, bool g8) {
+  return g8 ? UsesIntPv8(variant, head_dim, groups) : UsesIntPv(variant, head_dim, groups, false);
 }
 
 bool HasTwoHeadKernel(const LaunchShape& s) {
@@ -731,7 +730,7 @@ bool AttendLauncher::UsesIntegerValueProduct(int variant, int head_dim, int grou
   if (group_size <= 0) return false;
   const int kernel_gqa = PairsHeads(variant, head_dim, group_size, gqa) ? gqa / 2 : gqa;
   return cuda_attend::RunsIntegerValueProduct(variant, head_dim, head_dim / group_size,
-                                              kernel_gqa);
+                                              kernel_gqa > 4);
 }
 
 bool AttendLauncher::UsesFixedPoint16(int variant, int head_dim, int group_size, int gqa) {

@@ -52,9 +52,10 @@ absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& shape);
 bool HasTwoHeadKernel(const LaunchShape& shape);
 
 // Whether the split kernel of `variant` runs P·V on the integer tensor
-// cores at D = head_dim, `groups` quantization groups, `kernel_gqa` query
-// heads per (plan) head: HistoryWarpIntPv (g <= 4) or HistoryWarpIntPv8.
-bool RunsIntegerValueProduct(int variant, int head_dim, int groups, int kernel_gqa);
+// cores at D = head_dim, `groups` quantization groups, and at most 4 query
+// heads per (plan) head (HistoryWarpIntPv) or, with g8, 5-8
+// (HistoryWarpIntPv8).
+bool RunsIntegerValueProduct(int variant, int head_dim, int groups, bool g8);
 
 // Resident blocks per multiprocessor of the split kernel for this shape.
 absl::StatusOr<int> SplitBlocksPerSm(const LaunchShape& shape);

@@ -514,7 +514,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.pages_uploaded = table_pages + new_entries;
   schedule_.clusters_per_head = shape.cluster_blocks > 0 ? clusters_per_head : 0;
   schedule_.variant = shape.variant;
-  schedule_.integer_pv = cuda_attend::RunsIntegerValueProduct(shape.variant, D, shape.groups, gp);
+  schedule_.integer_pv =
+      cuda_attend::RunsIntegerValueProduct(shape.variant, D, shape.groups, shape.g8);
   schedule_.paired_heads = paired;
   schedule_.merge_slice = shape.merge_slice;
   schedule_.flat_cut = sizes.flat;

@@ -24,11 +24,12 @@ __device__ __forceinline__ void WaitForPrerequisites() {
 }
 
 // Integer query fragments (B of the m16n8k32 u8·s8 MMA), 2·4·2·32 words per
-// plan head (twice that for HistoryWarpIntPv8): word idx is n-tile t, k-step = code field kk, register rg =
-// bytes [4rg, 4rg+4) of thread c's 8 code bytes, column n; byte b holds the
-// digit of dim d = 8c + 4rg + b + 32kk, where v = q'·inv·4^(3-kk) =
-// Σ_j digit_j·128^-j. int_qk 1: column n is digit 2t + n/4 of head n%4;
-// 2 (digits paired per head, HistoryWarpIntPv): digit 2t + n%2 of head n/2.
+// plan head (twice that for HistoryWarpIntPv8): word idx is n-tile t,
+// k-step = code field kk, register rg = bytes [4rg, 4rg+4) of thread c's 8
+// code bytes, column n; byte b holds the digit of dim d = 8c + 4rg + b +
+// 32kk, where v = q'·inv·4^(3-kk) = Σ_j digit_j·128^-j. int_qk 1: column
+// n is digit 2t + n/4 of head n%4; 2 (digits paired per head,
+// HistoryWarpIntPv): digit 2t + n%2 of head n/2.
 // At 5-8 query heads (HistoryWarpIntPv8, int_qk 2 only) twice that, 4
 // n-tiles: tile t holds digits 2(t%2) + n%2 of head 4(t/2) + n/2.
 constexpr int kIntFragWords = 2 * 4 * 2 * 32;

@@ -361,17 +361,25 @@ TEST(AttendSchedule, HandlesEmptyItemsSinkOnlyItemsAndTinyCapacities) {
   CheckPlan({{Item(1, 1)}, 1, 0});
 }
 
+// A random batch: 1-8 kv heads, a capacity of 1..max_capacity, up to
+// max_items - 1 items of up to max_pages - 1 pages and 13 exact blocks.
+Case RandomCase(std::mt19937& rng, long max_capacity, int max_items, int max_pages) {
+  Case c;
+  c.kv_heads = 1 + static_cast<int>(rng() % 8);
+  c.capacity = 1 + static_cast<long>(rng() % max_capacity);
+  const int n = static_cast<int>(rng() % max_items);
+  for (int i = 0; i < n; ++i) {
+    c.items.push_back(Item(static_cast<int>(rng() % max_pages), static_cast<int>(rng() % 14)));
+  }
+  return c;
+}
+
 TEST(AttendSchedule, CoversRandomBatches) {
   std::mt19937 rng(5);
   int flat_plans = 0;
   for (int trial = 0; trial < 200; ++trial) {
-    Case c;
-    c.kv_heads = 1 + static_cast<int>(rng() % 8);
-    c.capacity = 1 + static_cast<long>(rng() % 600);
-    const int n = static_cast<int>(rng() % 12);
-    for (int i = 0; i < n; ++i) {
-      c.items.push_back(Item(static_cast<int>(rng() % 3000), static_cast<int>(rng() % 14)));
-    }
+    Case c = RandomCase(rng, 600, 12, 3000);
+    const int n = static_cast<int>(c.items.size());
     SCOPED_TRACE(trial);
     CheckPlan(c);
     c.fold = FoldExact::kAlways;
@@ -621,13 +629,7 @@ TEST(AttendSchedule, PairedHeadsCoverEveryPlanHeadOnceWithUnitsSideBySide) {
       {std::vector<AttendItem>(8, Item(2040, 10)), 8, 264, FoldExact::kAuto, true, true});
   std::mt19937 rng(17);
   for (int trial = 0; trial < 40; ++trial) {
-    Case c;
-    c.kv_heads = 1 + static_cast<int>(rng() % 8);
-    c.capacity = 1 + static_cast<long>(rng() % 300);
-    const int n = static_cast<int>(rng() % 10);
-    for (int i = 0; i < n; ++i) {
-      c.items.push_back(Item(static_cast<int>(rng() % 1500), static_cast<int>(rng() % 14)));
-    }
+    Case c = RandomCase(rng, 300, 10, 1500);
     SCOPED_TRACE(trial);
     for (const FoldExact fold : {FoldExact::kAuto, FoldExact::kAlways, FoldExact::kNever}) {
       c.fold = fold;
