@@ -58,6 +58,7 @@ __device__ __forceinline__ int WarpIndex() {
 }  // namespace oscarkv
 
 #include "kernels/cuda/encode_strips.cuh"
+#include "kernels/cuda/encode_warpgroup.cuh"
 
 namespace oscarkv {
 namespace {
@@ -334,12 +335,42 @@ absl::Status LaunchEncodeStrips(const PageGeometry& geom, const EncodeJob* jobs,
                     kRoles ? "EncodeRolesKernel launch" : "EncodeStripsKernel launch");
 }
 
+// The wgmma kernel (D 128): one wave of blocks, as the roles kernel.
+template <int G>
+absl::Status LaunchEncodeWarpgroup(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
+                                   cudaStream_t stream) {
+  namespace wg = encode_warpgroup;
+  const auto kernel = wg::EncodeWarpgroupKernel<G>;
+  static PerDevice wave{};
+  OSCARKV_ASSIGN_OR_RETURN(const int resident,
+                           ResidentBlocks(kernel, wg::kThreads, wg::kSmemBytes, wave));
+  const long rows = static_cast<long>(num_jobs) * geom.page_tokens;
+  if (rows > (1L << 30)) return absl::InvalidArgumentError("too many encode jobs for one launch");
+  const long tiles = (rows + wg::S::M - 1) / wg::S::M;
+  const long items = tiles * 2 * geom.kv_heads;
+  const long blocks = std::min<long>(items, resident);
+  kernel<<<static_cast<unsigned>(blocks), wg::kThreads, wg::kSmemBytes, stream>>>(
+      geom, jobs, num_jobs, static_cast<int>(tiles), items);
+  return CudaStatus(cudaGetLastError(), "EncodeWarpgroupKernel launch");
+}
+
 // The encode launch for head dim D and group size G (compile-time both).
 template <int D, int G>
 absl::Status LaunchEncodeDG(const PageGeometry& geom, const EncodeJob* jobs, int num_jobs,
                             cudaStream_t stream, EncodeKernelChoice choice) {
+  if constexpr (D == 128) {
+    if (choice == EncodeKernelChoice::kAuto || choice == EncodeKernelChoice::kWarpgroup) {
+      OSCARKV_ASSIGN_OR_RETURN(const bool available, EncodeWarpgroupAvailable());
+      if (available) return LaunchEncodeWarpgroup<G>(geom, jobs, num_jobs, stream);
+      if (choice == EncodeKernelChoice::kWarpgroup) {
+        return absl::FailedPreconditionError(
+            "the wgmma encode kernel is not in the loaded code (build for sm_90a, run on Hopper)");
+      }
+    }
+  }
   if constexpr (D <= 128) {
-    // kAuto: the roles kernel where it was measured faster (D 128, H200).
+    // kAuto without the wgmma kernel: the roles kernel where it was measured
+    // faster (D 128, H200).
     const bool roles = choice == EncodeKernelChoice::kRoles ||
                        (choice == EncodeKernelChoice::kAuto && D == 128);
     if (roles) return LaunchEncodeStrips<D, G, true>(geom, jobs, num_jobs, stream);
@@ -381,9 +412,34 @@ absl::Status LaunchDecodeD(const PageGeometry& geom, const DecodeJob* jobs, int 
 
 }  // namespace
 
+absl::StatusOr<bool> EncodeWarpgroupAvailable() {
+  static PerDevice known{};  // 0: not asked yet, 1: no, 2: yes
+  int device = 0;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetDevice(&device));
+  const bool cached = device >= 0 && device < kMaxCachedDevices;
+  if (cached) {
+    const int k = known[device].load(std::memory_order_relaxed);
+    if (k > 0) return k == 2;
+  }
+  int* flag = nullptr;
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMalloc(&flag, sizeof(int)));
+  encode_warpgroup::WarpgroupProbeKernel<<<1, 1>>>(flag);
+  int answer = 0;
+  cudaError_t err = cudaGetLastError();
+  if (err == cudaSuccess) err = cudaMemcpy(&answer, flag, sizeof(int), cudaMemcpyDeviceToHost);
+  const cudaError_t freed = cudaFree(flag);
+  OSCARKV_RETURN_IF_ERROR(CudaStatus(err, "encode kernel probe"));
+  OSCARKV_RETURN_IF_ERROR(CudaStatus(freed, "encode kernel probe"));
+  if (cached) known[device].store(answer == 1 ? 2 : 1, std::memory_order_relaxed);
+  return answer == 1;
+}
+
 absl::Status LaunchEncodePages(const PageGeometry& geom, const EncodeJob* dev_jobs, int num_jobs,
                                cudaStream_t stream, EncodeKernelChoice choice) {
   if (num_jobs <= 0) return absl::OkStatus();
+  if (choice == EncodeKernelChoice::kWarpgroup && geom.head_dim != 128) {
+    return absl::InvalidArgumentError("the wgmma encode kernel takes head_dim 128 only");
+  }
   if (geom.kv_heads > 32767) return absl::InvalidArgumentError("too many kv heads");
   switch (geom.head_dim) {
     case 64: return LaunchEncodeD<64>(geom, dev_jobs, num_jobs, stream, choice);

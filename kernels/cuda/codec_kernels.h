@@ -15,19 +15,30 @@
 
 namespace oscarkv {
 
-// Which encode kernel runs. kAuto: for head dim 128 the roles kernel (the
+// Which encode kernel runs. kAuto: for head dim 128 the wgmma kernel where the
+// loaded code has it (EncodeWarpgroupAvailable: built for sm_90a, run on a
+// Hopper GPU; encode_warpgroup.cuh), else the roles kernel (the
 // strip kernel's work split between multiplying and quantizing warps), for 64
 // the strip kernel (each warp keeps its strip of R in registers and does both;
 // encode_strips.cuh), else the tiled kernel (R staged in shared memory per
 // tile). kStrips / kRoles force the strip kernel / the roles kernel (the same
 // pages) for head dims 64 and 128 (at 256 they run the tiled kernel); kTiled
 // forces the tiled kernel for every head dim: the side-by-side benchmark's
-// baseline.
-enum class EncodeKernelChoice { kAuto, kStrips, kRoles, kTiled };
+// baseline. kWarpgroup forces the wgmma kernel (head dim 128 only; a
+// FailedPrecondition error where it is not available).
+enum class EncodeKernelChoice { kAuto, kStrips, kRoles, kTiled, kWarpgroup };
+
+// Whether the current device runs the wgmma encode kernel (the module's code
+// it loaded was built for sm_90a). The first call per device runs a one-thread
+// probe kernel and waits for it (the only launcher call that synchronizes;
+// CudaBackend asks at creation, so that its encodes never do); later calls
+// return the cached answer.
+absl::StatusOr<bool> EncodeWarpgroupAvailable();
 
 // Rotate (x · R on the tensor cores, with R split into two fp16 terms (strip
-// and roles kernels) or three bf16 terms (tiled kernel) so that the product keeps fp32
-// accuracy), clip, quantize and pack every row of every job in one launch.
+// and roles kernels) or three bf16 terms (tiled and wgmma kernels) so that the
+// product keeps fp32 accuracy), clip, quantize and pack every row of every job
+// in one launch.
 // Codes are computed against the fp16-rounded (scale, min) exactly like
 // QuantizeRow; only the fp32 summation order of the rotation differs from the
 // CPU, which can flip a code that sits on a rounding boundary.

@@ -363,11 +363,15 @@ absl::StatusOr<std::unique_ptr<Backend>> CreateCudaBackend(int device) {
         prop.minor, "; oscarkv needs 8.0 or newer"));
   }
   OSCARKV_ASSIGN_OR_RETURN(auto launcher, AttendLauncher::Create(device));
+  // Which encode kernel this device runs, asked now so that no encode waits
+  // for the probe.
+  OSCARKV_ASSIGN_OR_RETURN(const bool wgmma_encode, EncodeWarpgroupAvailable());
   cudaStream_t stream = nullptr;
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   const std::string desc = absl::StrFormat(
-      "cuda:%d %s (sm_%d%d, %d SMs, %.1f GiB)", device, prop.name, prop.major, prop.minor,
-      prop.multiProcessorCount, prop.totalGlobalMem / double(1ull << 30));
+      "cuda:%d %s (sm_%d%d, %d SMs, %.1f GiB, %s encode)", device, prop.name, prop.major,
+      prop.minor, prop.multiProcessorCount, prop.totalGlobalMem / double(1ull << 30),
+      wgmma_encode ? "wgmma" : "mma.sync");
   return std::unique_ptr<Backend>(
       new CudaBackend(device, desc, std::move(launcher), stream));
 }

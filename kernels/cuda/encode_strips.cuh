@@ -212,11 +212,13 @@ struct TileSteps {
     rows[tid] = er;
   }
 
-  // x rows of `rows` into xb (cp.async; rows past the end are zeroed).
-  static __device__ __forceinline__ void FetchX(uint16_t* xb, const Row* rows, int tid) {
-    for (int idx = tid; idx < S::M * S::kChunks; idx += kThreads) {
+  // x rows of `rows` by kCount threads (cp.async; rows past the end are
+  // zeroed), 16-byte piece c of row i to dst(i, c).
+  template <int kCount, typename Dst>
+  static __device__ __forceinline__ void FetchRows(const Row* rows, int tid, Dst dst_of) {
+    for (int idx = tid; idx < S::M * S::kChunks; idx += kCount) {
       const int i = idx / S::kChunks, c = idx % S::kChunks;
-      uint16_t* dst = xb + i * S::LDX + 8 * c;
+      unsigned char* dst = dst_of(i, c);
       const bf16_bits* src = rows[i].src;
       if (src == nullptr) {
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
@@ -224,9 +226,16 @@ struct TileSteps {
         CpAsync16(dst, src + 8 * c);
       } else {  // the job arrays promise 8-byte alignment only
         CpAsync8(dst, src + 8 * c);
-        CpAsync8(dst + 4, src + 8 * c + 4);
+        CpAsync8(dst + 8, src + 8 * c + 4);
       }
     }
+  }
+
+  // x rows of `rows` into xb, row-major (S::LDX).
+  static __device__ __forceinline__ void FetchX(uint16_t* xb, const Row* rows, int tid) {
+    FetchRows<kThreads>(rows, tid, [xb](int i, int c) {
+      return reinterpret_cast<unsigned char*>(xb + i * S::LDX + 8 * c);
+    });
   }
 
   // Scales each row of xb by 2^s (four threads per row) and converts it to

@@ -3,15 +3,17 @@
 // rotations, several head dims, group sizes, page sizes and clip ratios.
 //
 // Stated tolerance: the GPU rotates on the tensor cores with R split into two
-// fp16 terms (D 64 / 128, rows scaled by a power of two into fp16) or three
-// bf16 terms (D 256): fp32-level accuracy, another summation order than the
-// CPU's fp32 loop, so a value sitting on a rounding boundary may land on the
-// other side: we require fewer than 1e-4 of all codes to differ (measured
-// 9.8e-7 on the H200, 2026-11-29, session 4; 2.5e-6 with three bf16 terms
-// everywhere) and fewer than 1e-2 of the fp16 (scale, min) params per case
-// (measured 1.4e-3: group extremes carry the CPU's own fp32 summation error),
-// each by at most 4 fp16 ulps (measured at most 3, in a G = 4 group whose
-// range max - min cancels), and print the measured fractions.
+// fp16 terms (strip and roles kernels, D 64 / 128, rows scaled by a power of
+// two into fp16) or three bf16 terms (the wgmma kernel, D 128's default on
+// Hopper; the tiled kernel, D 256): fp32-level accuracy, another summation
+// order than the CPU's fp32 loop, so a value sitting on a rounding boundary
+// may land on the other side: we require fewer than 1e-4 of all codes to
+// differ (measured 9.8e-7 on the H200, 2026-11-29, session 4; 2.5e-6 with
+// three bf16 terms everywhere; 1.9e-6 with the wgmma kernel, 2026-12-02) and
+// fewer than 1e-2 of the fp16 (scale, min) params per case (measured 1.4e-3:
+// group extremes carry the CPU's own fp32 summation error), each by at most 4
+// fp16 ulps (measured at most 3, in a G = 4 group whose range max - min
+// cancels), and print the measured fractions.
 // Decode: the GPU sums in the CPU's order, but the compilers may contract
 // multiply-adds differently; we require every BF16 output to be within one
 // BF16 ulp of the row's largest magnitude from the CPU's (an absolute bound:
@@ -249,11 +251,11 @@ TEST_F(CudaCodecTest, EncodeMatchesCpuBackendUpToRareBoundaryFlips) {
   RecordProperty("code_flip_fraction", std::to_string(double(total.code_flips) / total.codes));
 }
 
-// Encodes `c` with the strip kernel and with the roles kernel (the strip
-// kernel's math split between multiplying and quantizing warps) and expects
-// the same pages byte for byte. The launches write over different poisons, so
-// a byte that either leaves unwritten shows too.
-void ExpectRolesPagesEqualStrips(Backend& gpu, const CodecCase& c, uint64_t seed) {
+// Encodes `c` with kernels `a` and `b` over different poisons (so that a byte
+// either leaves unwritten shows too) and returns how many page bytes differ
+// and the pages' size.
+void CountDifferingPages(Backend& gpu, const CodecCase& c, uint64_t seed, EncodeKernelChoice a,
+                         EncodeKernelChoice b, size_t* differing, size_t* bytes_out) {
   EncodeInputs in;
   MakeEncodeInputs(gpu, c, seed, &in);
   ASSERT_FALSE(::testing::Test::HasFatalFailure());
@@ -261,22 +263,66 @@ void ExpectRolesPagesEqualStrips(Backend& gpu, const CodecCase& c, uint64_t seed
   auto jobs_dev = Upload(gpu, in.gpu_jobs);
   ASSERT_TRUE(jobs_dev.ok()) << jobs_dev.status();
   std::vector<std::vector<uint8_t>> pages;
-  for (const auto& [choice, poison] : {std::pair{EncodeKernelChoice::kStrips, 0xA5},
-                                       std::pair{EncodeKernelChoice::kRoles, 0x5A}}) {
+  for (const auto& [choice, poison] : {std::pair{a, 0xA5}, std::pair{b, 0x5A}}) {
     const std::vector<uint8_t> fill(bytes, static_cast<uint8_t>(poison));
     ASSERT_TRUE(gpu.CopyToDevice(in.pages_dev.data(), fill.data(), bytes).ok());
     // The backend copies on its own (non-blocking) stream; the launch below
     // goes to the legacy stream: let every copy land first.
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
-    ASSERT_TRUE(LaunchEncodePages(in.geom, jobs_dev->as<EncodeJob>(), c.jobs, nullptr, choice).ok());
+    const absl::Status launched =
+        LaunchEncodePages(in.geom, jobs_dev->as<EncodeJob>(), c.jobs, nullptr, choice);
+    ASSERT_TRUE(launched.ok()) << launched;
     ASSERT_EQ(cudaDeviceSynchronize(), cudaSuccess);
     auto got = Download<uint8_t>(gpu, in.pages_dev.data(), bytes);
     ASSERT_TRUE(got.ok()) << got.status();
     pages.push_back(std::move(got).value());
   }
-  size_t differing = 0;
-  for (size_t i = 0; i < bytes; ++i) differing += pages[0][i] != pages[1][i];
+  *differing = 0;
+  for (size_t i = 0; i < bytes; ++i) *differing += pages[0][i] != pages[1][i];
+  *bytes_out = bytes;
+}
+
+// The roles kernel is the strip kernel's math split between multiplying and
+// quantizing warps: the same pages byte for byte.
+void ExpectRolesPagesEqualStrips(Backend& gpu, const CodecCase& c, uint64_t seed) {
+  size_t differing = 0, bytes = 0;
+  ASSERT_NO_FATAL_FAILURE(CountDifferingPages(gpu, c, seed, EncodeKernelChoice::kStrips,
+                                              EncodeKernelChoice::kRoles, &differing, &bytes));
   EXPECT_EQ(differing, 0u) << "of " << bytes << " page bytes";
+}
+
+// The wgmma kernel (D 128) rotates with R's three bf16 terms in one
+// accumulator, the roles kernel with two fp16 terms: pages may differ only
+// where a code or a param sits on a rounding boundary (both quantize with the
+// same code). Bound: 5e-4 of the page bytes (measured at most 1.2e-4 on the
+// H200, 2026-12-02, in the G = 8 case, whose rows are 2/3 params; 3.0e-5 on
+// the benchmark's data).
+void ExpectWarpgroupPagesNearRoles(Backend& gpu, const CodecCase& c, uint64_t seed) {
+  size_t differing = 0, bytes = 0;
+  ASSERT_NO_FATAL_FAILURE(CountDifferingPages(gpu, c, seed, EncodeKernelChoice::kRoles,
+                                              EncodeKernelChoice::kWarpgroup, &differing, &bytes));
+  EXPECT_LT(double(differing), 5e-4 * bytes + 0.5) << "of " << bytes << " page bytes";
+  std::printf("wgmma vs roles kernel: %zu of %zu page bytes differ\n", differing, bytes);
+}
+
+bool WarpgroupKernelRuns() {
+  auto available = EncodeWarpgroupAvailable();
+  return available.ok() && *available;
+}
+
+// On a Hopper GPU the build's sm_90a code must be what runs (else every
+// encode test below would silently test the roles kernel in its place).
+TEST_F(CudaCodecTest, HopperRunsTheWgmmaEncodeKernel) {
+  cudaDeviceProp prop;
+  ASSERT_EQ(cudaGetDeviceProperties(&prop, 0), cudaSuccess);
+  auto available = EncodeWarpgroupAvailable();
+  ASSERT_TRUE(available.ok()) << available.status();
+  if (prop.major != 9 || prop.minor != 0) GTEST_SKIP() << "not a Hopper GPU: " << prop.name;
+  EXPECT_TRUE(*available) << "built without sm_90a? (kernels/cuda/CMakeLists.txt)";
+  // Forcing it on a head dim it does not take is refused.
+  const PageGeometry geom{2, 64, 64, 32};
+  const absl::Status s = LaunchEncodePages(geom, nullptr, 1, nullptr, EncodeKernelChoice::kWarpgroup);
+  EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 }
 
 // Every case with D <= 128 as it is (tiles that mix rotations and jobs, odd
@@ -288,7 +334,11 @@ TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytes) {
     if (c.dim > 128) continue;
     SCOPED_TRACE(testing::Message() << "H=" << c.heads << " D=" << c.dim << " G=" << c.group
                                     << " P=" << c.page_tokens << " clip=" << c.clip_k);
-    ASSERT_NO_FATAL_FAILURE(ExpectRolesPagesEqualStrips(*gpu_, c, seed++));
+    ASSERT_NO_FATAL_FAILURE(ExpectRolesPagesEqualStrips(*gpu_, c, seed));
+    if (c.dim == 128 && WarpgroupKernelRuns()) {
+      ASSERT_NO_FATAL_FAILURE(ExpectWarpgroupPagesNearRoles(*gpu_, c, seed));
+    }
+    ++seed;
   }
 }
 
@@ -312,7 +362,13 @@ TEST_F(CudaCodecTest, RolesKernelWritesTheStripKernelsBytesOverManyTilesPerBlock
       SCOPED_TRACE(testing::Message() << "H=" << c.heads << " D=" << c.dim << " G=" << c.group
                                       << " P=" << c.page_tokens << " jobs=" << c.jobs
                                       << " one rotation=" << one_rotation);
-      ASSERT_NO_FATAL_FAILURE(ExpectRolesPagesEqualStrips(*gpu_, c, seed++));
+      ASSERT_NO_FATAL_FAILURE(ExpectRolesPagesEqualStrips(*gpu_, c, seed));
+      // The wgmma kernel's tiles of two rotations take one multiply per
+      // rotation, each storing its own rows.
+      if (c.dim == 128 && WarpgroupKernelRuns()) {
+        ASSERT_NO_FATAL_FAILURE(ExpectWarpgroupPagesNearRoles(*gpu_, c, seed));
+      }
+      ++seed;
     }
   }
 }
@@ -452,6 +508,7 @@ TEST_F(CudaCodecTest, ALaneHoldingAllOfTheLargestValuesClipsLikeTheCpu) {
     if (dim <= 128) {
       choices.insert(choices.end(), {EncodeKernelChoice::kStrips, EncodeKernelChoice::kRoles,
                                      EncodeKernelChoice::kTiled});
+      if (dim == 128 && WarpgroupKernelRuns()) choices.push_back(EncodeKernelChoice::kWarpgroup);
     }
     ASSERT_NO_FATAL_FAILURE(ExpectIdentityPagesEqualCpu(
         *gpu_, geom, blocks, jobs, [&](int j) { return clips[j % 3]; }, choices));

@@ -370,10 +370,14 @@ int Main(int argc, char** argv) {
     for (size_t i = 0; i < a.size(); ++i) n += a[i] != b[i];
     return n;
   };
-  std::vector<uint8_t> tiled_pages, strip_pages, roles_pages;
+  std::vector<uint8_t> tiled_pages, strip_pages, roles_pages, wgmma_pages;
   const double tiled_us = time_encode(EncodeKernelChoice::kTiled, &tiled_pages);
   const double strip_us = time_encode(EncodeKernelChoice::kStrips, &strip_pages);
   const double roles_us = time_encode(EncodeKernelChoice::kRoles, &roles_pages);
+  auto wgmma = EncodeWarpgroupAvailable();
+  CKS(wgmma.status());
+  const double wgmma_us =
+      *wgmma ? time_encode(EncodeKernelChoice::kWarpgroup, &wgmma_pages) : 0.0;
   const double enc_us = time_encode(EncodeKernelChoice::kAuto, nullptr);
   const size_t differing = count_differing(strip_pages, tiled_pages);
   const size_t roles_differing = count_differing(roles_pages, strip_pages);
@@ -388,6 +392,18 @@ int Main(int argc, char** argv) {
   print_kernel("strip kernel", strip_us);
   print_kernel("roles kernel", roles_us);
   std::printf("encode, roles vs strip kernel: %.2fx\n", strip_us / roles_us);
+  if (*wgmma) {
+    print_kernel("wgmma kernel", wgmma_us);
+    const size_t wgmma_differing = count_differing(wgmma_pages, roles_pages);
+    std::printf("encode, wgmma vs roles kernel: %.2fx; page bytes that differ: %zu of %zu "
+                "(%.1e)\n",
+                roles_us / wgmma_us, wgmma_differing, wgmma_pages.size(),
+                double(wgmma_differing) / wgmma_pages.size());
+    out["encode_wgmma_us"] = wgmma_us;
+    out["encode_wgmma_differing_bytes"] = wgmma_differing;
+  } else {
+    std::printf("encode, wgmma kernel: not in the loaded code (not built for sm_90a)\n");
+  }
   std::printf("page bytes that differ: strip vs tiled %zu of %zu (%.1e); roles vs strip %zu\n",
               differing, strip_pages.size(), double(differing) / strip_pages.size(),
               roles_differing);
