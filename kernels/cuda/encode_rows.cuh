@@ -222,16 +222,46 @@ __device__ __forceinline__ float OrderedToFloat(int b) {
   return __int_as_float(b >= 0 ? b : b ^ 0x7fffffff);
 }
 
-// A group's (scale, min) in fp16 from its clamped range [mn, mx], and the
-// quantizer's min and 1/scale from those fp16 values (0 for a zero scale).
+// A group's quantizer, from its clamped range [mn, mx] (the clamp of the raw
+// group min and max to [-tau, tau]): (scale, min) in fp16, the min and
+// 1/scale that the codes are computed with (0 for a zero scale), and the
+// range [plo, phi] of the scaled values p(v) = (v - min) / scale of clamped
+// elements, cut to [0, 3].
+//
+// Quantizing an element y is then round(clamp(p(y), plo, phi)), with no clamp
+// of y itself: p is monotone, so clamping p(y) to [p(mn), p(mx)] gives
+// p(clamp(y, -tau, tau)) exactly (y > tau exists only when mx = tau), and
+// clamping to [0, 3] before rounding equals clamping the rounded code, as
+// 0 and 3 are integers. (phi = min(max(p(mx), plo), 3), so that the range is
+// never empty and the code never leaves [0, 3], even for a NaN.) The
+// rounding is a float add of 1.5·2^23, whose sum's low mantissa bits are
+// the code, rounded to nearest even as rintf: no float-to-int conversion.
+struct GroupQuantizer {
+  float loq, inv, plo, phi;
+};
+
 __device__ __forceinline__ void GroupParams(float mn, float mx, __half& s_h, __half& lo_h,
-                                            float& loq, float& inv) {
+                                            GroupQuantizer& gq) {
   const float sc = fmaxf(__fsub_rn(mx, mn), kMinRange) / 3.0f;
   s_h = __float2half_rn(sc);
   lo_h = __float2half_rn(mn);
   const float sq = __half2float(s_h);
-  loq = __half2float(lo_h);
-  inv = sq > 0.0f ? 1.0f / sq : 0.0f;
+  gq.loq = __half2float(lo_h);
+  gq.inv = sq > 0.0f ? 1.0f / sq : 0.0f;
+  gq.plo = fmaxf(__fmul_rn(__fsub_rn(mn, gq.loq), gq.inv), 0.0f);
+  gq.phi = fminf(fmaxf(__fmul_rn(__fsub_rn(mx, gq.loq), gq.inv), gq.plo), 3.0f);
+}
+
+// Magic number of the rounding add, and its bits (0x4B400000): code q in
+// [0, 3] rounds to bits kRoundBits + q.
+constexpr float kRoundMagic = 12582912.0f;  // 1.5 · 2^23
+constexpr uint32_t kRoundBits = 0x4B400000u;
+static_assert((kRoundBits & 0xFFu) == 0, "packing takes the codes from the low byte");
+
+// Element y's code as kRoundBits + q (see GroupQuantizer).
+__device__ __forceinline__ uint32_t CodeBits(float y, const GroupQuantizer& gq) {
+  const float p = fminf(fmaxf(__fmul_rn(__fsub_rn(y, gq.loq), gq.inv), gq.plo), gq.phi);
+  return __float_as_uint(__fadd_rn(p, kRoundMagic));
 }
 
 // A lane's elements per group, and the groups it holds part of.
@@ -240,42 +270,37 @@ constexpr int kLaneGroupElems = G > 32 ? G / 32 : 1;
 template <int D, int G>
 constexpr int kLaneGroups = (D / 32) / kLaneGroupElems<G>;
 
-// Quantize a lane's E clamped elements of one row with their groups' (min,
-// 1/scale) (loq / inv per group the lane holds part of) and pack the codes
-// (4 per byte). Code byte j holds elements j + k·D/4: for D >= 128 those are
-// the lane's own elements; for D = 64, lane j < 16 takes two of them from
-// lane j + 16 (every lane must call).
+// Quantize a lane's E elements of one row (raw: the clamp is in the
+// quantizers, see GroupQuantizer) with their groups' quantizers (one per
+// group the lane holds part of) and pack the codes (4 per byte). Code byte j
+// holds elements j + k·D/4: for D >= 128 those are the lane's own elements;
+// for D = 64, lane j < 16 takes two of them from lane j + 16 (every lane must
+// call). Bytes are sums of code bits times powers of 4, whose low byte is
+// the packed codes (kRoundBits' low byte is 0).
 template <int D, int G>
 __device__ __forceinline__ void QuantizePackWarp(const float (&y)[D / 32],
-                                                 const float (&loq)[kLaneGroups<D, G>],
-                                                 const float (&inv)[kLaneGroups<D, G>],
+                                                 const GroupQuantizer (&gq)[kLaneGroups<D, G>],
                                                  uint8_t* codes_out, int lane) {
   constexpr int E = D / 32;
   constexpr int kPer = kLaneGroupElems<G>;
   uint32_t c[E];
 #pragma unroll
-  for (int i = 0; i < E; ++i) {
-    const int gl = i / kPer;
-    // Round to nearest even as rintf; NaN converts to 0 and out-of-range
-    // values saturate, so the clamp gives what clamping the float would.
-    const int q = __float2int_rn(__fmul_rn(__fsub_rn(y[i], loq[gl]), inv[gl]));
-    c[i] = static_cast<uint32_t>(min(max(q, 0), 3));
-  }
+  for (int i = 0; i < E; ++i) c[i] = CodeBits(y[i], gq[i / kPer]);
   if constexpr (D >= 128) {
     // Quarter k of byte j = element j + k·D/4 = lane + 32 i with i = k·E/4 + b.
     constexpr int kBytes = E / 4;  // code bytes per lane: j = lane + 32 b
 #pragma unroll
     for (int b = 0; b < kBytes; ++b) {
-      uint32_t byte = 0;
+      uint32_t byte = c[3 * kBytes + b];
 #pragma unroll
-      for (int k = 0; k < 4; ++k) byte |= c[k * kBytes + b] << (2 * k);
+      for (int k = 2; k >= 0; --k) byte = byte * 4u + c[k * kBytes + b];
       codes_out[lane + 32 * b] = static_cast<uint8_t>(byte);
     }
   } else {
     static_assert(D == 64, "D = 64: byte j < 16 holds elements j, j + 16, j + 32, j + 48");
-    const uint32_t mine = c[0] | (c[1] << 4);  // elements lane, lane + 32
+    const uint32_t mine = c[0] + 16u * c[1];  // elements lane, lane + 32
     const uint32_t upper = __shfl_down_sync(0xffffffffu, mine, 16);  // lane + 16, lane + 48
-    if (lane < 16) codes_out[lane] = static_cast<uint8_t>(mine | (upper << 2));
+    if (lane < 16) codes_out[lane] = static_cast<uint8_t>(mine + 4u * upper);
   }
 }
 
@@ -293,9 +318,9 @@ __device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out
   static_assert(G >= 4 && G < 32 && (G & (G - 1)) == 0, "G: a power of two below 32");
   float y[E];
 #pragma unroll
-  for (int i = 0; i < E; ++i) y[i] = fminf(fmaxf(yrow[lane + 32 * i], -tau), tau);
+  for (int i = 0; i < E; ++i) y[i] = yrow[lane + 32 * i];
 
-  float loq[E], inv[E];
+  GroupQuantizer gq[E];
 #pragma unroll
   for (int i = 0; i < E; ++i) {
     float mn = y[i], mx = mn;
@@ -304,8 +329,11 @@ __device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out
       mn = fminf(mn, __shfl_xor_sync(0xffffffffu, mn, off));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, off));
     }
+    // The clamped group's range: the clamp of its raw one.
+    mn = fminf(fmaxf(mn, -tau), tau);
+    mx = fminf(fmaxf(mx, -tau), tau);
     __half s_h, lo_h;
-    GroupParams(mn, mx, s_h, lo_h, loq[i], inv[i]);
+    GroupParams(mn, mx, s_h, lo_h, gq[i]);
     // Element lane + 32 i is its group's first on one lane only.
     const int e = lane + 32 * i;
     if (e % G == 0) {  // one 32-bit store: scale in the low half, min in the high half
@@ -313,7 +341,7 @@ __device__ void QuantizeRowWarp(const float* yrow, float tau, uint8_t* codes_out
           uint32_t(__half_as_ushort(s_h)) | (uint32_t(__half_as_ushort(lo_h)) << 16);
     }
   }
-  QuantizePackWarp<D, G>(y, loq, inv, codes_out, lane);
+  QuantizePackWarp<D, G>(y, gq, codes_out, lane);
 }
 
 // Clamp, quantize and pack R rotated rows held in shared memory (rows with
@@ -339,12 +367,12 @@ __device__ void QuantizeRowsWarp(const float* const (&yrows)[R], const float (&t
     constexpr int NG = kLaneGroups<D, G>;     // groups per row (= D / G)
     constexpr int T = R * NG;            // groups of the pass
     static_assert(T <= 32, "a lane per group of the pass");
-    float y[R][E];
-    int mn_o[R][NG], mx_o[R][NG];  // each group's min and max, as ordered integers
+    float y[R][E];  // raw: the clamp is in the quantizers (GroupQuantizer)
+    int mn_o[R][NG], mx_o[R][NG];  // each group's raw min and max, as ordered integers
 #pragma unroll
     for (int k = 0; k < R; ++k) {
 #pragma unroll
-      for (int i = 0; i < E; ++i) y[k][i] = fminf(fmaxf(yrows[k][lane + 32 * i], -tau[k]), tau[k]);
+      for (int i = 0; i < E; ++i) y[k][i] = yrows[k][lane + 32 * i];
 #pragma unroll
       for (int gl = 0; gl < NG; ++gl) {
         float mn = y[k][gl * kPer], mx = mn;
@@ -362,6 +390,7 @@ __device__ void QuantizeRowsWarp(const float* const (&yrows)[R], const float (&t
     QuantParams* my_params = params_out[0];
     int my_group = 0;
     bool my_use = use[0];
+    float my_tau = tau[0];
 #pragma unroll
     for (int t = 1; t < T; ++t) {
       if (lane == t) {
@@ -370,25 +399,31 @@ __device__ void QuantizeRowsWarp(const float* const (&yrows)[R], const float (&t
         my_params = params_out[t / NG];
         my_group = t % NG;
         my_use = use[t / NG];
+        my_tau = tau[t / NG];
       }
     }
-    const float mn = OrderedToFloat(my_mn), mx = OrderedToFloat(my_mx);
+    // The clamped group's range: the clamp of its raw one. (A row with a NaN,
+    // one that overflowed in the rotation, gets codes in [0, 3] like any
+    // other, not necessarily the CPU's.)
+    const float mn = fminf(fmaxf(OrderedToFloat(my_mn), -my_tau), my_tau);
+    const float mx = fminf(fmaxf(OrderedToFloat(my_mx), -my_tau), my_tau);
     __half s_h, lo_h;
-    float my_loq, my_inv;
-    GroupParams(mn, mx, s_h, lo_h, my_loq, my_inv);
+    GroupQuantizer my_gq;
+    GroupParams(mn, mx, s_h, lo_h, my_gq);
     if (lane < T && my_use) {  // one 32-bit store: scale in the low half, min in the high half
       *reinterpret_cast<uint32_t*>(my_params + my_group) =
           uint32_t(__half_as_ushort(s_h)) | (uint32_t(__half_as_ushort(lo_h)) << 16);
     }
 #pragma unroll
     for (int k = 0; k < R; ++k) {
-      float loq[NG], inv[NG];
+      GroupQuantizer gq[NG];
 #pragma unroll
       for (int gl = 0; gl < NG; ++gl) {
-        loq[gl] = __shfl_sync(0xffffffffu, my_loq, k * NG + gl);
-        inv[gl] = __shfl_sync(0xffffffffu, my_inv, k * NG + gl);
+        const int src = k * NG + gl;
+        gq[gl] = {__shfl_sync(0xffffffffu, my_gq.loq, src), __shfl_sync(0xffffffffu, my_gq.inv, src),
+                  __shfl_sync(0xffffffffu, my_gq.plo, src), __shfl_sync(0xffffffffu, my_gq.phi, src)};
       }
-      if (use[k]) QuantizePackWarp<D, G>(y[k], loq, inv, codes_out[k], lane);  // warp-uniform
+      if (use[k]) QuantizePackWarp<D, G>(y[k], gq, codes_out[k], lane);  // warp-uniform
     }
   }
 }

@@ -141,6 +141,7 @@ inline int min(int a, int b) { return a < b ? a : b; }
 inline uint32_t max(uint32_t a, uint32_t b) { return a > b ? a : b; }
 inline int max(int a, int b) { return a > b ? a : b; }
 int __float2int_rn(float x);  // ties to even; NaN -> 0; saturating
+inline float __fadd_rn(float a, float b) { return a + b; }
 inline float __fsub_rn(float a, float b) { return a - b; }
 inline float __fmul_rn(float a, float b) { return a * b; }
 inline int __float_as_int(float f) { return static_cast<int>(oscarkv::FloatBits(f)); }
