@@ -14,10 +14,12 @@
 // operand layout, three tiles deep, and the warpgroup's own work per tile is
 // the copies, 24 wgmma and the y stores. (The roles kernel: 1024 mma.sync
 // m16n8k16 over 8 warps, the rows scaled into fp16 first, the chains'
-// latency setting the pace. A first wgmma version with that fp16 conversion
-// measured 525 µs against the roles kernel's 544 for the 2048-page benchmark:
-// its conversion and one-tile-deep fetch, in the same 4 warps, were the
-// critical path. H200, 2026-12-02, RESULTS run 29.)
+// latency setting the pace.) Measured for the 2048-page benchmark: 476–483 µs
+// against the roles kernel's 544 (567–569 with the leaner quantize of the
+// same run), the quantizing warps now setting the pace. A first wgmma version
+// with the roles kernel's fp16 conversion took 525 µs: its conversion and
+// one-tile-deep fetch, in the same 4 warps, were the critical path. H200,
+// 2026-12-02, RESULTS run 29.
 //
 // Operands in shared memory in the 128-byte swizzled K-major layout: K in
 // blocks of 64 elements; a block holds its rows' 128 bytes one after the
