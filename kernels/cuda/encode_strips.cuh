@@ -396,7 +396,41 @@ struct TileSteps {
       QuantizeRowsWarp<D, G, R>(yr, tau, codes, params, use, lane);
     }
   }
+
+  // The quantizing warps of a warp-specialized kernel: tile n of `tiles`
+  // from y buffer ys(n % 2), its rows in rows[n % kSlots], once its producers
+  // filled it (y_full[n % 2]), then the buffer released (y_free[n % 2]). Tile
+  // n is buffer n % 2's use number n / 2: the barriers' phase parity.
+  template <int G, int R, int kSlots, typename YBuffer>
+  static __device__ __forceinline__ void QuantizeTiles(const Row (*rows)[S::M], YBuffer ys,
+                                                       uint64_t* y_full, uint64_t* y_free,
+                                                       int tiles, int qwarp, int nq, int lane) {
+#pragma unroll 1
+    for (int n = 0; n < tiles; ++n) {
+      BarrierWait(&y_full[n & 1], (n >> 1) & 1);
+      Quantize<G, R>(rows[n % kSlots], ys(n & 1), qwarp, nq, lane);
+      BarrierArrive(&y_free[n & 1]);
+    }
+  }
 };
+
+// Block blockIdx.x's range [first, last) of a one-wave grid's `total` items.
+struct BlockItems {
+  long first, last;
+};
+__device__ __forceinline__ BlockItems BlockItemRange(long total) {
+  return {total * blockIdx.x / gridDim.x, total * (blockIdx.x + 1) / gridDim.x};
+}
+
+// The y buffers' barriers of a warp-specialized kernel, by one thread:
+// y_full[b] counts `producers` arrivals, y_free[b] `consumers`.
+__device__ __forceinline__ void InitYBarriers(uint64_t* y_full, uint64_t* y_free, int producers,
+                                              int consumers) {
+  for (int b = 0; b < 2; ++b) {
+    BarrierInit(&y_full[b], producers);
+    BarrierInit(&y_free[b], consumers);
+  }
+}
 
 // Registers capped at 128 so that two blocks share an SM: while one block
 // multiplies, the other clips and quantizes (measured on the H200: 817 µs
@@ -417,8 +451,8 @@ __global__ void __launch_bounds__(kThreads, 2)
 
   const int tid = threadIdx.x, warp = WarpIndex(), lane = tid & 31;
   const TileSteps<D> steps{geom, jobs, tiles_per_kh, num_jobs * geom.page_tokens};
-  const long first = total_items * blockIdx.x / gridDim.x;
-  const long last = total_items * (blockIdx.x + 1) / gridDim.x;
+  const BlockItems range = BlockItemRange(total_items);
+  const long first = range.first, last = range.last;
   if (first >= last) return;
 
   RStrip<D> strip;
@@ -510,28 +544,16 @@ __global__ void __launch_bounds__(roles::kThreads, 1)
   __shared__ __align__(8) uint64_t y_full[2], y_free[2];
 
   const int tid = threadIdx.x, warp = WarpIndex(), lane = tid & 31;
-  const long first = total_items * blockIdx.x / gridDim.x;
-  const long last = total_items * (blockIdx.x + 1) / gridDim.x;
+  const BlockItems range = BlockItemRange(total_items);
+  const long first = range.first, last = range.last;
   if (first >= last) return;
   const int tiles = static_cast<int>(last - first);
-  if (tid == 0) {
-    for (int b = 0; b < 2; ++b) {
-      BarrierInit(&y_full[b], roles::kMultiplyThreads);
-      BarrierInit(&y_free[b], roles::kQuantWarps * 32);
-    }
-  }
+  if (tid == 0) InitYBarriers(y_full, y_free, roles::kMultiplyThreads, roles::kQuantWarps * 32);
   __syncthreads();
 
-  // Tile n is buffer n % 2's use number n / 2: the barriers' phase parity.
   if (warp >= kWarps) {  // quantizing warps
-    const int qwarp = warp - kWarps;
-#pragma unroll 1
-    for (int n = 0; n < tiles; ++n) {
-      BarrierWait(&y_full[n & 1], (n >> 1) & 1);
-      TileSteps<D>::template Quantize<G, roles::kRowsPerPass>(rows[n % kRowSlots], ys(n & 1),
-                                                              qwarp, roles::kQuantWarps, lane);
-      BarrierArrive(&y_free[n & 1]);
-    }
+    TileSteps<D>::template QuantizeTiles<G, roles::kRowsPerPass, kRowSlots>(
+        rows, ys, y_full, y_free, tiles, warp - kWarps, roles::kQuantWarps, lane);
     return;
   }
 

@@ -223,27 +223,16 @@ __global__ void __launch_bounds__(kThreads, 1)
   __shared__ __align__(8) uint64_t y_full[2], y_free[2];
 
   const int tid = threadIdx.x, warp = WarpIndex(), lane = tid & 31;
-  const long first = total_items * blockIdx.x / gridDim.x;
-  const long last = total_items * (blockIdx.x + 1) / gridDim.x;
+  const encode_strips::BlockItems range = encode_strips::BlockItemRange(total_items);
+  const long first = range.first, last = range.last;
   if (first >= last) return;
   const int tiles = static_cast<int>(last - first);
-  if (tid == 0) {
-    for (int b = 0; b < 2; ++b) {
-      BarrierInit(&y_full[b], kMmaThreads);
-      BarrierInit(&y_free[b], kQuantWarps * 32);
-    }
-  }
+  if (tid == 0) encode_strips::InitYBarriers(y_full, y_free, kMmaThreads, kQuantWarps * 32);
   __syncthreads();
 
   if (warp >= kMmaThreads / 32) {  // quantizing warps, as in the roles kernel
-    const int qwarp = warp - kMmaThreads / 32;
-#pragma unroll 1
-    for (int n = 0; n < tiles; ++n) {
-      BarrierWait(&y_full[n & 1], (n >> 1) & 1);
-      TileSteps<D>::template Quantize<G, kRowsPerPass>(rows[n % kRowSlots], ys(n & 1), qwarp,
-                                                       kQuantWarps, lane);
-      BarrierArrive(&y_free[n & 1]);
-    }
+    TileSteps<D>::template QuantizeTiles<G, kRowsPerPass, kRowSlots>(
+        rows, ys, y_full, y_free, tiles, warp - kMmaThreads / 32, kQuantWarps, lane);
     return;
   }
 
