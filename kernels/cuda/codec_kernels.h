@@ -3,7 +3,9 @@
 //
 // Job arrays are in device memory; every pointer inside them is device memory
 // (8-byte aligned). Launchers only enqueue on `stream`: they never allocate,
-// never synchronize and never abort; a launch error comes back as a Status.
+// never synchronize (except the first encode on a device whose encode kernel
+// nobody asked for: EncodeWarpgroupAvailable below) and never abort; a launch
+// error comes back as a Status.
 // Callers check the geometry first (ValidateGeometry in kernels/cpu).
 #ifndef OSCARKV_KERNELS_CUDA_CODEC_KERNELS_H_
 #define OSCARKV_KERNELS_CUDA_CODEC_KERNELS_H_

@@ -420,8 +420,10 @@ __device__ void QuantizeRowsWarp(const float* const (&yrows)[R], const float (&t
 #pragma unroll
       for (int gl = 0; gl < NG; ++gl) {
         const int src = k * NG + gl;
-        gq[gl] = {__shfl_sync(0xffffffffu, my_gq.loq, src), __shfl_sync(0xffffffffu, my_gq.inv, src),
-                  __shfl_sync(0xffffffffu, my_gq.plo, src), __shfl_sync(0xffffffffu, my_gq.phi, src)};
+        gq[gl] = {__shfl_sync(0xffffffffu, my_gq.loq, src),
+                  __shfl_sync(0xffffffffu, my_gq.inv, src),
+                  __shfl_sync(0xffffffffu, my_gq.plo, src),
+                  __shfl_sync(0xffffffffu, my_gq.phi, src)};
       }
       if (use[k]) QuantizePackWarp<D, G>(y[k], gq, codes_out[k], lane);  // warp-uniform
     }

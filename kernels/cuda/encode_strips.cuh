@@ -20,7 +20,8 @@
 //      time in the strip kernel, four in the roles kernel, their reductions
 //      interleaved).
 // Strip kernel: blocks of 8 warps (two per SM), each warp doing 3 and 4, its
-// strip in registers. Roles kernel (the default at D = 128): one block of 24
+// strip in registers. Roles kernel (the default at D = 128 where the wgmma
+// kernel of encode_warpgroup.cuh is not in the loaded code): one block of 24
 // warps per SM, 8 multiplying (step 3, strips in shared memory) and 16
 // quantizing (step 4) at once, on two y buffers.
 // The tiled kernel (R staged in shared memory per tile) stays for D = 256,

@@ -321,7 +321,8 @@ TEST_F(CudaCodecTest, HopperRunsTheWgmmaEncodeKernel) {
   EXPECT_TRUE(*available) << "built without sm_90a? (kernels/cuda/CMakeLists.txt)";
   // Forcing it on a head dim it does not take is refused.
   const PageGeometry geom{2, 64, 64, 32};
-  const absl::Status s = LaunchEncodePages(geom, nullptr, 1, nullptr, EncodeKernelChoice::kWarpgroup);
+  const absl::Status s =
+      LaunchEncodePages(geom, nullptr, 1, nullptr, EncodeKernelChoice::kWarpgroup);
   EXPECT_EQ(s.code(), absl::StatusCode::kInvalidArgument) << s;
 }
 
