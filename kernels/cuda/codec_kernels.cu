@@ -43,6 +43,18 @@ struct EncodeShape {
   static constexpr size_t kSmem = kXBytes + 3 * kRBytes + kYBytes + 2 * M * 4;
 };
 
+// A rotation element's three bf16 terms, hi + mid + lo = v to ~2^-24
+// relative (the tiled and wgmma kernels multiply x, exact in bf16, by each).
+struct Bf16Terms {
+  bf16 hi, mid, lo;
+};
+__device__ __forceinline__ Bf16Terms SplitBf16Terms(float v) {
+  const bf16 hi = __float2bfloat16_rn(v);
+  const float r1 = v - __bfloat162float(hi);
+  const bf16 mid = __float2bfloat16_rn(r1);
+  return {hi, mid, __float2bfloat16_rn(r1 - __bfloat162float(mid))};
+}
+
 __device__ __forceinline__ const float* RowRotation(const RotationRef& r, int kind, int h) {
   return (kind == 0 ? r.r_k : r.r_v) + r.stride * h;
 }
@@ -152,13 +164,10 @@ __global__ void __launch_bounds__(kEncodeThreads, 1)
           __syncthreads();  // previous users of the staged rotation are done
           for (int idx = tid; idx < D * S::CW; idx += kEncodeThreads) {
             const int i = idx / S::CW, j = idx % S::CW;
-            const float v = r[size_t(i) * D + cc * S::CW + j];
-            const bf16 vh = __float2bfloat16_rn(v);
-            const float r1 = v - __bfloat162float(vh);
-            const bf16 vm = __float2bfloat16_rn(r1);
-            rhi[i * S::LDR + j] = vh;
-            rmid[i * S::LDR + j] = vm;
-            rlo[i * S::LDR + j] = __float2bfloat16_rn(r1 - __bfloat162float(vm));
+            const Bf16Terms t = SplitBf16Terms(r[size_t(i) * D + cc * S::CW + j]);
+            rhi[i * S::LDR + j] = t.hi;
+            rmid[i * S::LDR + j] = t.mid;
+            rlo[i * S::LDR + j] = t.lo;
           }
           __syncthreads();
           if (tid == 0) {

@@ -146,14 +146,10 @@ __device__ __forceinline__ void LoadRotation(unsigned char* b, const float* r, i
       uint32_t packed[kTerms] = {0, 0, 0};
 #pragma unroll
       for (int e = 0; e < 2; ++e) {
-        const float x = v[2 * j + e];
-        const __nv_bfloat16 hi = __float2bfloat16_rn(x);
-        const float r1 = x - __bfloat162float(hi);
-        const __nv_bfloat16 mid = __float2bfloat16_rn(r1);
-        const __nv_bfloat16 lo = __float2bfloat16_rn(r1 - __bfloat162float(mid));
-        packed[0] |= uint32_t(__bfloat16_as_ushort(hi)) << (16 * e);
-        packed[1] |= uint32_t(__bfloat16_as_ushort(mid)) << (16 * e);
-        packed[2] |= uint32_t(__bfloat16_as_ushort(lo)) << (16 * e);
+        const Bf16Terms t = SplitBf16Terms(v[2 * j + e]);
+        packed[0] |= uint32_t(__bfloat16_as_ushort(t.hi)) << (16 * e);
+        packed[1] |= uint32_t(__bfloat16_as_ushort(t.mid)) << (16 * e);
+        packed[2] |= uint32_t(__bfloat16_as_ushort(t.lo)) << (16 * e);
       }
 #pragma unroll
       for (int t = 0; t < kTerms; ++t) w[t][j] = packed[t];
