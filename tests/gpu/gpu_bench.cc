@@ -1,7 +1,8 @@
 // GPU benchmark: one layer of decode attention over the compressed paged
 // cache (32 q / 8 kv heads, D = 128, G = 128, P = 32, S0 = 64, W = 256) at
 // B=1 8K/32K/64K/128K and B=8 32K/64K, plus the encode kernel's throughput
-// and the device-to-device copy bandwidth, in one run. With --baseline, reads
+// and the device-to-device copy bandwidth (and a read-only ceiling,
+// read_probe.cu), in one run. With --baseline, reads
 // the PyTorch cuDNN SDPA timings (sdpa_baseline.py, same shapes, same run)
 // and prints ratios.
 //
@@ -56,6 +57,7 @@
 #include "nlohmann/json.hpp"
 #include "tests/gpu/attend_trace_summary.h"
 #include "tests/gpu/gpu_test_util.h"
+#include "tests/gpu/read_probe.h"
 
 namespace oscarkv {
 namespace {
@@ -276,11 +278,39 @@ int Main(int argc, char** argv) {
   const double copy_us = TimeEvents(stream, 3, 20, [&](int) {
     CK(cudaMemcpyAsync(cb, ca, copy_bytes, cudaMemcpyDeviceToDevice, stream));
   });
-  CK(cudaFree(ca));
   CK(cudaFree(cb));
   const double copy_gbs = 2.0 * copy_bytes / copy_us / 1e3;
   std::printf("copy bandwidth (read+write): %.0f GB/s\n", copy_gbs);
   out["copy_gbs"] = copy_gbs;
+  // The read-only ceiling (a kernel that only streams bytes in, as the
+  // history loop does): the whole GiB, and 77 MiB (about the compressed cache of
+  // B1 128K) GPU side as the attention rows are timed, launch floor included,
+  // from windows far enough apart that L2 never holds the next one.
+  {
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    const int blocks = 4 * sms;
+    uint32_t* sink;
+    CK(cudaMalloc(&sink, sizeof(uint32_t) * blocks));
+    const double full_us = TimeEvents(stream, 3, 20, [&](int) {
+      CK(gputest::LaunchReadProbe(ca, copy_bytes, sink, blocks, stream));
+    });
+    const size_t window = size_t(77) << 20;
+    const double window_us = TimeEventsQueued(stream, 8, 200, [&](int i) {
+      const size_t at = size_t(i % 12) * (copy_bytes / 12) & ~size_t(255);
+      CK(gputest::LaunchReadProbe(static_cast<const uint8_t*>(ca) + at, window, sink, blocks,
+                                  stream));
+    });
+    CK(cudaFree(sink));
+    const double full_gbs = copy_bytes / full_us / 1e3, window_gbs = window / window_us / 1e3;
+    std::printf("read bandwidth (read only, %d blocks of 512): 1 GiB %.0f GB/s (%.0f%% of copy); "
+                "77 MiB GPU side in %.1f us: %.0f GB/s (%.0f%% of copy)\n",
+                blocks, full_gbs, 100.0 * full_gbs / copy_gbs, window_us, window_gbs,
+                100.0 * window_gbs / copy_gbs);
+    out["read_gbs"] = full_gbs;
+    out["read_77mib_us"] = window_us;
+  }
+  CK(cudaFree(ca));
 
   // The floor under every figure below: events around the smallest GPU work
   // (a 4-byte memset, one or three in a row), GPU side as the attention rows'

@@ -1,0 +1,62 @@
+// A read-only bandwidth probe for the GPU benchmark: the ceiling of a kernel
+// that only streams bytes in (the split kernel's history loop), next to the
+// copy bandwidth (read + write) that the issue's goals are stated against.
+#include "tests/gpu/read_probe.h"
+
+#include <cstdint>
+
+namespace oscarkv {
+namespace gputest {
+namespace {
+
+constexpr int kReadThreads = 512;
+
+// Every thread reads 16-byte words, grid-stride, four in flight, with an L2
+// evict-first hint as the attention kernels' page loads have; the XOR of
+// everything read goes to one word per block, so no load can be dropped.
+__global__ void __launch_bounds__(kReadThreads) ReadKernel(const uint4* src, size_t words,
+                                                            uint32_t* sink) {
+  uint64_t policy;
+  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
+  const size_t stride = size_t(gridDim.x) * kReadThreads;
+  uint32_t x = 0;
+  size_t i = size_t(blockIdx.x) * kReadThreads + threadIdx.x;
+  for (; i + 3 * stride < words; i += 4 * stride) {
+    uint4 v[4];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
+                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
+                   : "l"(src + i + k * stride), "l"(policy));
+    }
+#pragma unroll
+    for (int k = 0; k < 4; ++k) x ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
+  }
+  for (; i < words; i += stride) {
+    const uint4 v = __ldg(src + i);
+    x ^= v.x ^ v.y ^ v.z ^ v.w;
+  }
+  for (int off = 16; off >= 1; off >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, off);
+  __shared__ uint32_t warp_x[kReadThreads / 32];
+  if ((threadIdx.x & 31) == 0) warp_x[threadIdx.x / 32] = x;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kReadThreads / 32; ++w) x ^= warp_x[w];
+    sink[blockIdx.x] = x;
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchReadProbe(const void* src, size_t bytes, uint32_t* sink, int blocks,
+                            cudaStream_t stream) {
+  if (bytes % 16 != 0 || (reinterpret_cast<uintptr_t>(src) & 15u) != 0 || blocks <= 0) {
+    return cudaErrorInvalidValue;
+  }
+  ReadKernel<<<blocks, kReadThreads, 0, stream>>>(static_cast<const uint4*>(src), bytes / 16,
+                                                  sink);
+  return cudaGetLastError();
+}
+
+}  // namespace gputest
+}  // namespace oscarkv
