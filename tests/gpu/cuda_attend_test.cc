@@ -1305,6 +1305,119 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
   }
 }
 
+// The counter handoffs (AttendLauncher::set_handoff) change when the split
+// and merge kernels start, not what they compute: their results must be the
+// PDL waits' bit for bit, over repeated calls (the last merge block leaves
+// the counts at zero for the next), a replayed graph, batches of several
+// item kinds (history, exact blocks only, both; flat cuts over the kv heads
+// with a wave of 7 units, so units carry two heads), and g = 1, 4 and 8.
+TEST(CudaAttendLauncher, CounterHandoffGivesThePdlWaitsResultsBitForBit) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  for (const long wave : {0L, 7L}) {
+    for (const int g : {1, 4, 8}) {
+      SCOPED_TRACE("g = " + std::to_string(g) + ", wave " + std::to_string(wave));
+      const int H = 2, D = 128, Hq = H * g;
+      const PageGeometry geom{H, D, D, 32};
+      const size_t block_elems = geom.exact_block_bytes() / 2;
+      std::mt19937_64 rng(900 + g);
+      auto rotations = RandomRotations(*gpu, D, 1, rng);
+      ASSERT_TRUE(rotations.ok()) << rotations.status();
+      const int kPages = 260, kBlocks = 3;
+      std::vector<bf16_bits> staging =
+          RandomKvRows(size_t(kPages + kBlocks) * block_elems / D, D, rng);
+      auto pages_or = EncodePagesOnCpu(geom, staging.data(), kPages, rotations->host_ref());
+      ASSERT_TRUE(pages_or.ok()) << pages_or.status();
+      staging.erase(staging.begin(), staging.begin() + size_t(kPages) * block_elems);
+      auto pages_dev = Upload(*gpu, *pages_or);
+      auto blocks_dev = Upload(*gpu, staging);
+      ASSERT_TRUE(pages_dev.ok() && blocks_dev.ok());
+      std::vector<const uint8_t*> pg;
+      for (int p = 0; p < kPages; ++p) {
+        pg.push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
+      }
+      std::vector<ExactBlockRef> ex;
+      for (int b = 0; b < kBlocks; ++b) {
+        ex.push_back({blocks_dev->as<bf16_bits>() + b * block_elems, 32 - 7 * b});
+      }
+      const int n = 4;
+      std::vector<float> q(size_t(n) * Hq * D);
+      std::normal_distribution<float> nd(0.0f, 1.5f);
+      for (float& x : q) x = nd(rng);
+      std::vector<float> out(size_t(n) * Hq * D), lse(size_t(n) * Hq);
+      std::vector<AttendItem> items(n);
+      for (int i = 0; i < n; ++i) {
+        items[i] = AttendItem{&q[size_t(i) * Hq * D], &out[size_t(i) * Hq * D],
+                              &lse[size_t(i) * Hq], rotations->device_ref()};
+      }
+      items[0].exact = ex.data();
+      items[0].num_exact = kBlocks;
+      items[0].pages = pg.data();
+      items[0].num_pages = kPages;
+      items[1].pages = pg.data() + 17;
+      items[1].num_pages = 40;
+      items[2].exact = ex.data() + 1;
+      items[2].num_exact = 2;
+      items[3].pages = pg.data() + 100;
+      items[3].num_pages = 1;
+      items[3].exact = ex.data() + 2;
+      items[3].num_exact = 1;
+      const AttendBatch batch{geom, Hq, 1.0f / std::sqrt(float(D)), items.data(), n};
+      auto launcher = AttendLauncher::Create(0);
+      ASSERT_TRUE(launcher.ok()) << launcher.status();
+      AttendLauncher& L = **launcher;
+      L.set_wave_units(wave);
+      cudaStream_t stream = nullptr;
+      ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+      // Prepares (or not) and launches (or replays `exec`), returns out and lse,
+      // poisoned before.
+      auto run = [&](bool handoff, bool prepare, cudaGraphExec_t exec) {
+        std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
+        std::fill(lse.begin(), lse.end(), std::numeric_limits<float>::quiet_NaN());
+        L.set_handoff(handoff);
+        absl::Status st = prepare ? L.Prepare(batch, stream) : absl::OkStatus();
+        if (st.ok()) {
+          if (exec != nullptr) {
+            EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess);
+          } else {
+            st = L.Launch(stream);
+          }
+        }
+        EXPECT_TRUE(st.ok()) << st;
+        EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+        const absl::Status copied = L.CopyResults(batch);
+        EXPECT_TRUE(copied.ok()) << copied;
+        std::vector<float> r = out;
+        r.insert(r.end(), lse.begin(), lse.end());
+        return r;
+      };
+      const std::vector<float> pdl = run(false, true, nullptr);
+      for (const float x : pdl) ASSERT_FALSE(std::isnan(x));
+      for (int rep = 0; rep < 3; ++rep) {
+        SCOPED_TRACE("call " + std::to_string(rep));
+        const std::vector<float> got = run(true, rep != 1, nullptr);
+        ASSERT_EQ(std::memcmp(got.data(), pdl.data(), got.size() * sizeof(float)), 0);
+      }
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      ASSERT_TRUE(L.Launch(stream).ok());
+      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      for (int rep = 0; rep < 3; ++rep) {
+        SCOPED_TRACE("replay " + std::to_string(rep));
+        const std::vector<float> got = run(true, false, exec);
+        ASSERT_EQ(std::memcmp(got.data(), pdl.data(), got.size() * sizeof(float)), 0);
+      }
+      EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+      EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+      // And back to the PDL waits after handoffs.
+      const std::vector<float> again = run(false, true, nullptr);
+      ASSERT_EQ(std::memcmp(again.data(), pdl.data(), again.size() * sizeof(float)), 0);
+      EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+    }
+  }
+}
+
 TEST(CudaAttendLimits, NullOrMisalignedPageIsRefusedByIndex) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   auto pool = gpu->Allocate(4096);
