@@ -71,15 +71,6 @@ struct LaunchArgs {
   // rotations of kv head v >> 1; else 0 (plan heads are kv heads). Work
   // units, query fragments and head partials are per plan head.
   int head_shift;
-  // Handoffs by counters instead of kernel boundaries (AttendLauncher::
-  // set_handoff; null: the split and merge kernels wait with PDL for the
-  // whole grid before them). [item][plan head] each, zero between calls:
-  // `ready` counts the prep blocks whose query fragments and meta are
-  // written (g per plan head), `done` the partials written; `merge_exits`
-  // counts the merge blocks that are done, and the last one zeroes all three.
-  unsigned* ready;
-  unsigned* done;
-  unsigned* merge_exits;
   OSCARKV_HDC int PlanHeads() const { return geom.kv_heads << head_shift; }
   OSCARKV_HDC int KvHead(int plan_head) const { return plan_head >> head_shift; }
 };

@@ -25,13 +25,11 @@ namespace cuda_attend {
 namespace {
 
 // Combines the 4 warps' (m, l, acc) of each head into the unit's partial.
-// Counts it done for plan head h of the item when the handoff is on.
 template <int D, int HG>
-__device__ void WritePartial(const LaunchArgs& a, int partial, int item, int h,
-                             float (*sm_o)[HG][D], float (*sm_m)[HG], float (*sm_l)[HG]) {
+__device__ void WritePartial(const LaunchArgs& a, int partial, float (*sm_o)[HG][D],
+                             float (*sm_m)[HG], float (*sm_l)[HG]) {
   CombineWarpStates<D, HG, kWarps, kThreads>(a.g, sm_o, sm_m, sm_l,
                                              a.partials + size_t(partial) * PartialFloats(a.g, D));
-  if (a.done != nullptr) Publish(a.done + size_t(item) * a.PlanHeads() + h);
 }
 
 // kPrefetch: register double buffer of whole chunks. kPipeline: software
@@ -178,7 +176,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       ex.Finish(a.g, lane, sm_o[warp], sm_m[warp], sm_l[warp]);
     }
     Trace(trace, blockIdx.x, kTraceExactDone);
-    WritePartial<D, HG>(a, wu.exact_partial, wu.item, exact_head, sm_o, sm_m, sm_l);
+    WritePartial<D, HG>(a, wu.exact_partial, sm_o, sm_m, sm_l);
   };
   if constexpr (kExactFirst) {
     if (has_exact) {
@@ -213,7 +211,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         const uint8_t* page = page_of(it);
         if (lane == 0) ring.Fill(it, page, in_page(it));
       }
-      AwaitQuery(a, wu.item, kv_head);  // the prep kernel's query fragments
+      WaitForPrerequisites();  // the prep kernel's query fragments
       LaunchDependents();
       Trace(trace, blockIdx.x, kTraceWaited);
       if (iters > 0) {
@@ -260,7 +258,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           hw.LoadV(va, page_of(0), in_page(0));
         }
         if (iters > 1) hw.LoadK(rb, page_of(1), in_page(1));
-        AwaitQuery(a, wu.item, kv_head);  // the prep kernel's query fragments
+        WaitForPrerequisites();  // the prep kernel's query fragments
         LaunchDependents();
         Trace(trace, blockIdx.x, kTraceWaited);
         if (iters > 0) {
@@ -287,7 +285,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
         // The first chunks' loads overlap the prep kernel.
         if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
         if (kPrefetch && iters > 1) hw.Load(rb, page_of(1), in_page(1));
-        AwaitQuery(a, wu.item, kv_head);  // the prep kernel's query fragments
+        WaitForPrerequisites();  // the prep kernel's query fragments
         LaunchDependents();
         Trace(trace, blockIdx.x, kTraceWaited);
         if (iters > 0) {
@@ -318,7 +316,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
       }
     }
     Trace(trace, blockIdx.x, kTraceLoopDone);
-    WritePartial<D, HG>(a, partial, wu.item, kv_head, sm_o, sm_m, sm_l);
+    WritePartial<D, HG>(a, partial, sm_o, sm_m, sm_l);
     Trace(trace, blockIdx.x, kTraceWritten);
   };
   if (has_history) run_history(wu.kv_head, wu.begin, wu.end, wu.partial);

@@ -263,17 +263,6 @@ class AttendLauncher {
   // Takes effect at the next Prepare().
   void set_launch_stages(int stages) { stages_ = stages; }
 
-  // How the split and merge kernels learn that what they read is written:
-  // false (the default), each waits with PDL for the whole kernel before it
-  // (griddepcontrol.wait: the grid's end, then its memory); true, by counters
-  // (cuda_attend::LaunchArgs::ready and done): a split part waits for its own
-  // head's prep blocks, a merge block for its head's partials, so neither
-  // waits for the slowest block of the grid before or for the grid's end.
-  // Only with all three kernels launched (set_launch_stages 3); the
-  // environment variable OSCARKV_CUDA_ATTEND_HANDOFF (0 / 1) sets the initial
-  // value. Takes effect at the next Prepare().
-  void set_handoff(bool on) { handoff_ = on; }
-
   // Where the merge kernel writes the outputs: to mapped pinned host memory,
   // over the bus (the default: the service's results go to the host, and a
   // download copy costs a round trip), or, for benchmarks, to device memory
@@ -330,9 +319,6 @@ class AttendLauncher {
  private:
   AttendLauncher(int device, int num_sms);
   absl::Status Reserve(size_t staging_bytes, size_t results_bytes, size_t device_bytes);
-  // The handoff counters for `heads` (item, plan head) pairs, zeroed when
-  // (re)allocated (waits for the device then); launches leave them zero.
-  absl::Status ReserveHandoff(size_t heads);
   // Fills table_plans_ for batch b: where each named page table lives in
   // page_tables_ and what it uploads (grows the array if needed).
   absl::Status PlacePageTables(const AttendBatch& b);
@@ -421,9 +407,6 @@ class AttendLauncher {
 
   // The prepared launch.
   struct Prepared;
-  bool handoff_ = false;
-  unsigned* handoff_counts_ = nullptr;  // [ready: heads][done: heads][merge exits]
-  size_t handoff_heads_ = 0;
   std::unique_ptr<Prepared> prepared_;
   AttendSchedule schedule_;
 };

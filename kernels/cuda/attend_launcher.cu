@@ -67,7 +67,6 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_PAIR_HEADS")) {
     l->pair_heads_ = std::atoi(v) != 0;
   }
-  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_HANDOFF")) l->handoff_ = std::atoi(v) != 0;
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
   return l;
 }
@@ -84,26 +83,6 @@ AttendLauncher::~AttendLauncher() {
   if (results_ != nullptr) cudaFreeHost(results_);
   if (upload_done_ != nullptr) cudaEventDestroy(upload_done_);
   if (page_tables_ != nullptr) cudaFree(page_tables_);
-  if (handoff_counts_ != nullptr) cudaFree(handoff_counts_);
-}
-
-absl::Status AttendLauncher::ReserveHandoff(size_t heads) {
-  if (heads <= handoff_heads_) return absl::OkStatus();
-  const size_t want = std::max(heads, handoff_heads_ * 3 / 2);
-  if (handoff_counts_ != nullptr) {
-    // Kernels of earlier launches may still count there.
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaDeviceSynchronize());
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaFree(handoff_counts_));
-  }
-  handoff_counts_ = nullptr;
-  handoff_heads_ = 0;
-  const size_t bytes = sizeof(unsigned) * (2 * want + 1);
-  OSCARKV_CUDA_ALLOC_OR_RETURN(handoff_counts_,
-                               cudaMalloc(reinterpret_cast<void**>(&handoff_counts_), bytes),
-                               "cudaMalloc (attention handoff counters)");
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemset(handoff_counts_, 0, bytes));
-  handoff_heads_ = want;
-  return absl::OkStatus();
 }
 
 absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t results_bytes,
@@ -500,14 +479,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.partials = reinterpret_cast<float*>(dev + off_part);
   a.clusters_per_head = clusters_per_head;
   a.cluster_counts = reinterpret_cast<unsigned*>(dev + off_counts);
-  a.ready = a.done = a.merge_exits = nullptr;
-  if (handoff_ && shape.cluster_blocks == 0 && shape.stages >= 3) {
-    const size_t heads = size_t(n) * Hp;
-    OSCARKV_RETURN_IF_ERROR(ReserveHandoff(heads));
-    a.ready = handoff_counts_;
-    a.done = handoff_counts_ + handoff_heads_;
-    a.merge_exits = handoff_counts_ + 2 * handoff_heads_;
-  }
   a.queries = dev_queries;
   // One rotation for every item (the usual one-layer batch): the prep
   // kernel skips reading the item plans. Only when some item has history,
@@ -625,13 +596,7 @@ absl::Status AttendLauncher::Launch(cudaStream_t stream) const {
   if (!prepared_->valid) {
     return absl::FailedPreconditionError("attention launch without a successful Prepare");
   }
-  const absl::Status launched =
-      cuda_attend::LaunchAttention(prepared_->args, prepared_->shape, stream);
-  if (!launched.ok() && prepared_->args.ready != nullptr) {
-    // A chain cut short leaves counts behind that the next call would trust.
-    cudaMemsetAsync(handoff_counts_, 0, sizeof(unsigned) * (2 * handoff_heads_ + 1), stream);
-  }
-  return launched;
+  return cuda_attend::LaunchAttention(prepared_->args, prepared_->shape, stream);
 }
 
 absl::StatusOr<AttendTrace> AttendLauncher::TakeTrace(cudaStream_t stream) {

@@ -147,28 +147,6 @@ __device__ void CombineWarps(const MergeState<D> (&st)[2], float (*sm_a)[kWarps]
   __syncthreads();
 }
 
-// The handoff counters' reset, by the merge grid's last block to finish: by
-// then every prep block has counted (the merge blocks waited for partials
-// that waited for the fragments) and no block reads a count again, so the
-// next call (a plain launch of the prep kernel, after this grid) starts
-// from zero, replays of a captured graph too.
-__device__ inline void ResetHandoffWhenLast(const LaunchArgs& a) {
-  __shared__ bool last;
-  __syncthreads();  // every thread of this block is past its reads
-  if (threadIdx.x == 0) {
-    const unsigned blocks = gridDim.x * gridDim.y * gridDim.z;
-    last = atomicAdd(a.merge_exits, 1u) == blocks - 1;
-  }
-  __syncthreads();
-  if (!last) return;
-  const int counts = gridDim.x * a.PlanHeads();  // grid x: the items
-  for (int i = threadIdx.x; i < counts; i += blockDim.x) {
-    a.ready[i] = 0;
-    a.done[i] = 0;
-  }
-  if (threadIdx.x == 0) *a.merge_exits = 0;
-}
-
 // One block per (item, query head, slice of 32 output dims): combine the
 // history partials and the exact partials of the head (both sets loaded in
 // one pass, so the block waits for memory once, not once per set), un-rotate
@@ -234,12 +212,7 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
       }
     }
   }
-  // The split kernel's partials: this head's (handoff), or the whole grid.
-  if (a.done != nullptr) {
-    AwaitCount(a.done + size_t(item_idx) * a.PlanHeads() + h, unsigned(n));
-  } else {
-    WaitForPrerequisites();
-  }
+  WaitForPrerequisites();  // the split kernel's partials
   Trace(trace, block, kTraceWaited);
 
   // Entries [0, nh) are history partials, [nh, n) exact ones. Warp w takes
@@ -369,7 +342,6 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
     out[size_t(qh) * D + j0 + d] = MergeSets(lse_e2, o_set[1][j0 + d], lse_h2, o_hist[d], &lse);
   }
   if (threadIdx.x == 0 && blockIdx.z == 0 && lse_out != nullptr) lse_out[qh] = lse;
-  if (a.merge_exits != nullptr) ResetHandoffWhenLast(a);
   Trace(trace, block, kTraceEnd);
 }
 

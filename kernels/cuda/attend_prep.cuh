@@ -23,38 +23,6 @@ __device__ __forceinline__ void WaitForPrerequisites() {
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
 }
 
-// The counter handoffs (LaunchArgs::ready / done; AttendLauncher::
-// set_handoff). A writer's threads write, then Publish counts them done: each
-// thread's writes are fenced, the block meets, one thread adds 1. A reader
-// spins in every lane until the count reaches `want` (acquire loads, so
-// what the writers wrote before counting is visible to the lane), instead
-// of waiting for the whole previous grid with griddepcontrol.wait. No
-// deadlock: a kernel launched with PDL starts only once every block of the
-// one before it has triggered or exited, so every block a reader waits for
-// is resident (or done), and writers never wait for readers.
-__device__ __forceinline__ void Publish(unsigned* count) {
-  __threadfence();
-  __syncthreads();
-  if (threadIdx.x == 0) atomicAdd(count, 1u);
-}
-__device__ __forceinline__ unsigned LoadAcquire(const unsigned* p) {
-  unsigned v;
-  asm volatile("ld.acquire.gpu.global.u32 %0, [%1];" : "=r"(v) : "l"(p) : "memory");
-  return v;
-}
-__device__ __forceinline__ void AwaitCount(const unsigned* count, unsigned want) {
-  while (LoadAcquire(count) < want) __nanosleep(64);
-}
-// What a split part waits for before it reads plan head h's query
-// fragments: its g prep blocks (handoff), or the prep grid (PDL).
-__device__ __forceinline__ void AwaitQuery(const LaunchArgs& a, int item, int h) {
-  if (a.ready != nullptr) {
-    AwaitCount(a.ready + size_t(item) * a.PlanHeads() + h, unsigned(a.g));
-  } else {
-    WaitForPrerequisites();
-  }
-}
-
 // Integer query fragments (B of the m16n8k32 u8·s8 MMA), 2·4·2·32 words per
 // plan head (twice that for HistoryWarpIntPv8): word idx is n-tile t,
 // k-step = code field kk, register rg = bytes [4rg, 4rg+4) of thread c's 8
@@ -320,7 +288,6 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
   QueryScale(mx, kIntFormat, &inv, &mult);
   if (tid == 0) WriteQueryMeta(a, head_idx, mult, qsum, D);
   WriteQueryFragments<D, G8>(a, item_idx, h, hh, kIntFormat, qs, inv);
-  if (a.ready != nullptr) Publish(a.ready + size_t(item_idx) * a.PlanHeads() + h);
   Trace(a.trace[kTracePrep], blockIdx.x, kTraceEnd);
 }
 
