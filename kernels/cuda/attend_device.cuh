@@ -248,6 +248,15 @@ __device__ __forceinline__ uint2 Ld64(const uint8_t* p) {
       : "l"(p), "l"(PageStreamPolicy()));
   return v;
 }
+// (16 bytes: used by the benchmark's read-only probe, tests/gpu/read_probe.cu,
+// so that its ceiling is measured with the page loads' own hint.)
+__device__ __forceinline__ uint4 Ld128(const uint8_t* p) {
+  uint4 v;
+  asm("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;\n"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p), "l"(PageStreamPolicy()));
+  return v;
+}
 
 #endif  // !OSCARKV_WARP_EMULATION
 

@@ -5,19 +5,19 @@
 
 #include <cstdint>
 
+#include "kernels/cuda/attend_device.cuh"
+
 namespace oscarkv {
 namespace gputest {
 namespace {
 
 constexpr int kReadThreads = 512;
 
-// Every thread reads 16-byte words, grid-stride, four in flight, with an L2
-// evict-first hint as the attention kernels' page loads have; the XOR of
-// everything read goes to one word per block, so no load can be dropped.
+// Every thread reads 16-byte words, grid-stride, four in flight, with the
+// attention kernels' page loads (Ld128: their L2 evict-first hint); the XOR
+// of everything read goes to one word per block, so no load can be dropped.
 __global__ void __launch_bounds__(kReadThreads) ReadKernel(const uint4* src, size_t words,
                                                             uint32_t* sink) {
-  uint64_t policy;
-  asm("createpolicy.fractional.L2::evict_first.b64 %0, 1.0;" : "=l"(policy));
   const size_t stride = size_t(gridDim.x) * kReadThreads;
   uint32_t x = 0;
   size_t i = size_t(blockIdx.x) * kReadThreads + threadIdx.x;
@@ -25,15 +25,13 @@ __global__ void __launch_bounds__(kReadThreads) ReadKernel(const uint4* src, siz
     uint4 v[4];
 #pragma unroll
     for (int k = 0; k < 4; ++k) {
-      asm volatile("ld.global.nc.L2::cache_hint.v4.u32 {%0, %1, %2, %3}, [%4], %5;"
-                   : "=r"(v[k].x), "=r"(v[k].y), "=r"(v[k].z), "=r"(v[k].w)
-                   : "l"(src + i + k * stride), "l"(policy));
+      v[k] = cuda_attend::Ld128(reinterpret_cast<const uint8_t*>(src + i + k * stride));
     }
 #pragma unroll
     for (int k = 0; k < 4; ++k) x ^= v[k].x ^ v[k].y ^ v[k].z ^ v[k].w;
   }
   for (; i < words; i += stride) {
-    const uint4 v = __ldg(src + i);
+    const uint4 v = cuda_attend::Ld128(reinterpret_cast<const uint8_t*>(src + i));
     x ^= v.x ^ v.y ^ v.z ^ v.w;
   }
   for (int off = 16; off >= 1; off >>= 1) x ^= __shfl_xor_sync(0xffffffffu, x, off);
