@@ -135,31 +135,53 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
   }
 }
 
+// 2^k, exactly as ldexpf(1.0f, k): subnormal below 2^-126, 0 below 2^-149,
+// +inf above 2^127 (bit patterns, without the library call's range code).
+__device__ __forceinline__ float Exp2Int(int k) {
+  if (k > 127) return INFINITY;
+  if (k >= -126) return __int_as_float((k + 127) << 23);
+  if (k >= -149) return __int_as_float(1 << (k + 149));
+  return 0.0f;
+}
+
+// The exponent e of frexpf(x, &e) for a finite x > 0 (x = f·2^e, f in
+// [0.5, 1)), subnormal x included.
+__device__ __forceinline__ int FrexpExponent(float x) {
+  const int bits = __float_as_int(x);
+  const int biased = bits >> 23;
+  return biased != 0 ? biased - 126 : (32 - __clz(bits)) - 149;
+}
+
 // The digit scale of a head from its max |q'|: inv (applied to q' before the
 // fragments are made) and the multiplier that undoes it (the meta's word 0).
 // fp16 format: max |q'|·inv in [256, 512). Integer format: in [0.5, 1), so the
-// digit-0 values q'·inv·4^(3-k) stay below 64.
-__device__ inline void QueryScale(float mx, bool int_format, float* inv, float* mult) {
-  int e = 0;
+// digit-0 values q'·inv·4^(3-k) stay below 64. (Bit arithmetic, not
+// frexpf / ldexpf: this runs on a B = 1 call's critical path, once per head.)
+__device__ __forceinline__ void QueryScale(float mx, bool int_format, float* inv, float* mult) {
   const bool ok = mx > 0.0f && isfinite(mx);
-  if (ok) frexpf(mx, &e);
+  const int e = ok ? FrexpExponent(mx) : 0;
   const int shift = int_format ? 0 : 9;
   const int mshift = int_format ? 6 : 9;
-  *inv = ok ? ldexpf(1.0f, shift - e) : 1.0f;
-  *mult = ok ? ldexpf(1.0f, e - mshift) : (int_format ? 1.0f / 64.0f : 1.0f);
+  *inv = ok ? Exp2Int(shift - e) : 1.0f;
+  *mult = ok ? Exp2Int(e - mshift) : (int_format ? 1.0f / 64.0f : 1.0f);
 }
 
 // The meta words of a head: {mult, Σq' per quantization group (from the sums
-// of the four quarters of the dims), 0...}.
-__device__ inline void WriteQueryMeta(const LaunchArgs& a, int head_idx, float mult,
-                                      const float (&quarter_sum)[4], int head_dim) {
-  const int ng = head_dim / a.geom.group_size, per_group = 4 / ng;
+// of the four quarters of the dims), 0...}. A row has 1, 2 or 4 groups (G is
+// a divisor of D >= D/4, D a power of two); straight-line code, no division.
+__device__ __forceinline__ void WriteQueryMeta(const LaunchArgs& a, int head_idx, float mult,
+                                               const float (&quarter_sum)[4], int head_dim) {
+  const int gsize = a.geom.group_size;
+  // Quarter r belongs to group r >> pshift (4 / ng quarters per group).
+  const int pshift = gsize >= head_dim ? 2 : 2 * gsize >= head_dim ? 1 : 0;
   float* meta = a.qmeta + size_t(head_idx) * kQueryMetaFloats;
   meta[0] = mult;
+#pragma unroll
   for (int gi = 0; gi < 4; ++gi) {
     float sum = 0.0f;
-    if (gi < ng) {
-      for (int r = gi * per_group; r < (gi + 1) * per_group; ++r) sum += quarter_sum[r];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      if ((r >> pshift) == gi) sum += quarter_sum[r];
     }
     meta[1 + gi] = sum;
   }
@@ -229,7 +251,8 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
     }
   }
   const float* q = a.queries + size_t(head_idx) * D;
-  for (int d = tid; d < D; d += kThreadsH) qin[d] = q[d];
+  static_assert(kThreadsH >= D, "one thread per dim");
+  if (tid < D) qin[tid] = q[tid];
   __syncthreads();
   {
     float4 acc = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
@@ -250,11 +273,11 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
   }
   __syncthreads();
   Trace(a.trace[kTracePrep], blockIdx.x, kTraceWaited);
-  for (int d = tid; d < D; d += kThreadsH) {
+  if (tid < D) {
     float s = 0.0f;
 #pragma unroll
-    for (int sl = 0; sl < kSlices; ++sl) s += red[sl][d];
-    qs[d] = s * a.scale_log2;
+    for (int sl = 0; sl < kSlices; ++sl) s += red[sl][tid];
+    qs[tid] = s * a.scale_log2;
   }
   __syncthreads();
   {
@@ -262,9 +285,13 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
     const int w = tid >> 5, lane = tid & 31;
     if (w < 4) {
       float mx = 0.0f, sum = 0.0f;
-      for (int d = w * Q + lane; d < (w + 1) * Q; d += 32) {
-        mx = fmaxf(mx, fabsf(qs[d]));
-        sum += qs[d];
+#pragma unroll
+      for (int i = 0; i < (Q + 31) / 32; ++i) {
+        if (lane + 32 * i < Q) {
+          const float v = qs[w * Q + lane + 32 * i];
+          mx = fmaxf(mx, fabsf(v));
+          sum += v;
+        }
       }
       for (int off = 16; off >= 1; off >>= 1) {
         mx = fmaxf(mx, __shfl_xor_sync(kFull, mx, off));
@@ -286,7 +313,9 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
   }
   float inv, mult;
   QueryScale(mx, kIntFormat, &inv, &mult);
-  if (tid == 0) WriteQueryMeta(a, head_idx, mult, qsum, D);
+  // Warp 1 writes the meta, so that warp 0's fragment words (the integer
+  // format's) do not wait behind it.
+  if (tid == 32) WriteQueryMeta(a, head_idx, mult, qsum, D);
   WriteQueryFragments<D, G8>(a, item_idx, h, hh, kIntFormat, qs, inv);
   Trace(a.trace[kTracePrep], blockIdx.x, kTraceEnd);
 }

@@ -330,6 +330,32 @@ int Main(int argc, char** argv) {
                 floor_us[0], floor_us[1]);
     out["floor_1op_us"] = floor_us[0];
     out["floor_3op_us"] = floor_us[1];
+    // Empty kernels instead: one (with no instruction, and with the PDL
+    // wait and trigger that the prep kernel runs), and three chained as the
+    // attention call's are (plain, then PDL), with 32 blocks (a B = 1 call's
+    // prep) and with one wave of 4 blocks per SM (its split).
+    int sms = 0;
+    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
+    double bare_us[2], chain_us[2][2];
+    for (int w = 0; w < 2; ++w) {
+      const int blocks = w == 0 ? 32 : 4 * sms;
+      bare_us[w] = TimeEventsQueued(stream, 10, 200, [&](int) {
+        CK(gputest::LaunchEmptyChain(1, blocks, false, stream));
+      });
+      for (int k = 0; k < 2; ++k) {
+        chain_us[k][w] = TimeEventsQueued(stream, 10, 200, [&](int) {
+          CK(gputest::LaunchEmptyChain(k == 0 ? 1 : 3, blocks, true, stream));
+        });
+      }
+    }
+    std::printf("launch floor (GPU side, empty kernels, 32 / %d blocks): 1 kernel %.1f / %.1f us, "
+                "with the PDL wait and trigger %.1f / %.1f us, 3 chained (PDL) %.1f / %.1f us\n",
+                4 * sms, bare_us[0], bare_us[1], chain_us[0][0], chain_us[0][1], chain_us[1][0],
+                chain_us[1][1]);
+    out["floor_1kernel_bare_us"] = bare_us[0];
+    out["floor_1kernel_us"] = chain_us[0][0];
+    out["floor_3kernel_pdl_us"] = chain_us[1][0];
+    out["floor_3kernel_pdl_wave_us"] = chain_us[1][1];
   }
   if (trace_calls > 0) {
     auto step = AttendTraceTimerStepNs();

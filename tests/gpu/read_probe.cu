@@ -44,7 +44,40 @@ __global__ void __launch_bounds__(kReadThreads) ReadKernel(const uint4* src, siz
   }
 }
 
+// No work: the wait for the kernel before (a no-op after a plain launch),
+// then the early launch of the next, as the attention kernels do.
+__global__ void EmptyPdlKernel() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+
+// No work at all.
+__global__ void EmptyKernel() {}
+
 }  // namespace
+
+cudaError_t LaunchEmptyChain(int kernels, int blocks, bool pdl_ops, cudaStream_t stream) {
+  if (kernels <= 0 || blocks <= 0) return cudaErrorInvalidValue;
+  if (pdl_ops) {
+    EmptyPdlKernel<<<blocks, 128, 0, stream>>>();
+  } else {
+    EmptyKernel<<<blocks, 128, 0, stream>>>();
+  }
+  cudaError_t err = cudaGetLastError();
+  for (int k = 1; k < kernels && err == cudaSuccess; ++k) {
+    cudaLaunchConfig_t cfg = {};
+    cfg.gridDim = dim3(blocks);
+    cfg.blockDim = dim3(128);
+    cfg.stream = stream;
+    cudaLaunchAttribute attr[1];
+    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attr[0].val.programmaticStreamSerializationAllowed = 1;
+    cfg.attrs = attr;
+    cfg.numAttrs = 1;
+    err = cudaLaunchKernelEx(&cfg, EmptyPdlKernel);
+  }
+  return err;
+}
 
 cudaError_t LaunchReadProbe(const void* src, size_t bytes, uint32_t* sink, int blocks,
                             cudaStream_t stream) {

@@ -1,4 +1,5 @@
-// The GPU benchmark's read-only bandwidth probe (read_probe.cu).
+// The GPU benchmark's probes (read_probe.cu): the read-only bandwidth
+// ceiling, and the floor of a chain of empty kernels.
 #ifndef OSCARKV_TESTS_GPU_READ_PROBE_H_
 #define OSCARKV_TESTS_GPU_READ_PROBE_H_
 
@@ -14,6 +15,14 @@ namespace gputest {
 // blocks of 512 threads, writing one word per block to `sink` (blocks words).
 cudaError_t LaunchReadProbe(const void* src, size_t bytes, uint32_t* sink, int blocks,
                             cudaStream_t stream);
+
+// Enqueues `kernels` empty kernels of `blocks` blocks of 128 threads: the
+// first a plain launch, the rest with programmatic stream serialization
+// (PDL), each block of those calling griddepcontrol.wait and
+// launch_dependents, as the attention call's prep, split and merge kernels
+// do; the first one too with `pdl_ops` (as the prep kernel does), else it
+// has no instruction but its exit.
+cudaError_t LaunchEmptyChain(int kernels, int blocks, bool pdl_ops, cudaStream_t stream);
 
 }  // namespace gputest
 }  // namespace oscarkv
