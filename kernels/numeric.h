@@ -88,6 +88,30 @@ OSCARKV_HD float Fp16ToFloat(fp16_bits h) {
   return BitsToFloat(sign | ((exp - 15 + 127) << 23) | (mant << 13));
 }
 
+// 2^k, exactly as ldexpf(1.0f, k): subnormal below 2^-126, 0 below 2^-149,
+// +inf above 2^127, from bit patterns (the CUDA attention prep kernel's
+// digit scales: no library range code on its critical path).
+OSCARKV_HD float Exp2Int(int k) {
+  if (k > 127) return BitsToFloat(0x7f800000u);
+  if (k >= -126) return BitsToFloat(static_cast<uint32_t>(k + 127) << 23);
+  if (k >= -149) return BitsToFloat(1u << (k + 149));
+  return 0.0f;
+}
+
+// The exponent e of frexpf(x, &e) for a finite x > 0 (x = f·2^e, f in
+// [0.5, 1)), subnormal x included.
+OSCARKV_HD int FrexpExponent(float x) {
+  const uint32_t bits = FloatBits(x);
+  const int biased = static_cast<int>(bits >> 23);
+  if (biased != 0) return biased - 126;
+#if defined(__CUDA_ARCH__)
+  const int lz = __clz(static_cast<int>(bits));
+#else
+  const int lz = __builtin_clz(bits);  // bits != 0: x > 0
+#endif
+  return (32 - lz) - 149;
+}
+
 }  // namespace oscarkv
 
 #endif  // OSCARKV_KERNELS_NUMERIC_H_

@@ -135,28 +135,12 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
   }
 }
 
-// 2^k, exactly as ldexpf(1.0f, k): subnormal below 2^-126, 0 below 2^-149,
-// +inf above 2^127 (bit patterns, without the library call's range code).
-__device__ __forceinline__ float Exp2Int(int k) {
-  if (k > 127) return INFINITY;
-  if (k >= -126) return __int_as_float((k + 127) << 23);
-  if (k >= -149) return __int_as_float(1 << (k + 149));
-  return 0.0f;
-}
-
-// The exponent e of frexpf(x, &e) for a finite x > 0 (x = f·2^e, f in
-// [0.5, 1)), subnormal x included.
-__device__ __forceinline__ int FrexpExponent(float x) {
-  const int bits = __float_as_int(x);
-  const int biased = bits >> 23;
-  return biased != 0 ? biased - 126 : (32 - __clz(bits)) - 149;
-}
-
 // The digit scale of a head from its max |q'|: inv (applied to q' before the
 // fragments are made) and the multiplier that undoes it (the meta's word 0).
 // fp16 format: max |q'|·inv in [256, 512). Integer format: in [0.5, 1), so the
-// digit-0 values q'·inv·4^(3-k) stay below 64. (Bit arithmetic, not
-// frexpf / ldexpf: this runs on a B = 1 call's critical path, once per head.)
+// digit-0 values q'·inv·4^(3-k) stay below 64. (Bit arithmetic,
+// FrexpExponent and Exp2Int of kernels/numeric.h, not frexpf / ldexpf: this
+// runs on a B = 1 call's critical path, once per head.)
 __device__ __forceinline__ void QueryScale(float mx, bool int_format, float* inv, float* mult) {
   const bool ok = mx > 0.0f && isfinite(mx);
   const int e = ok ? FrexpExponent(mx) : 0;
