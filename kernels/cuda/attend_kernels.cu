@@ -18,6 +18,7 @@
 #include "kernels/cuda/attend_prep.cuh"
 #include "kernels/cuda/attend_stage_ring.cuh"
 #include "kernels/cuda/cuda_status.h"
+#include "kernels/cuda/pdl_launch.h"
 #include "kernels/status_macros.h"
 
 namespace oscarkv {
@@ -341,16 +342,8 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
 template <typename Kernel>
 absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream,
                        const LaunchArgs& a, size_t dynamic_smem = 0) {
-  cudaLaunchConfig_t cfg = {};
-  cfg.gridDim = grid;
-  cfg.blockDim = block;
-  cfg.dynamicSmemBytes = dynamic_smem;
-  cfg.stream = stream;
-  cudaLaunchAttribute attr[1];
-  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attr[0].val.programmaticStreamSerializationAllowed = 1;
-  cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cudaLaunchAttribute attr;
+  const cudaLaunchConfig_t cfg = PdlLaunchConfig(grid, block, dynamic_smem, stream, &attr);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a));
   return absl::OkStatus();
 }

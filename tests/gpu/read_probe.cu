@@ -6,6 +6,7 @@
 #include <cstdint>
 
 #include "kernels/cuda/attend_device.cuh"
+#include "kernels/cuda/pdl_launch.h"
 
 namespace oscarkv {
 namespace gputest {
@@ -65,15 +66,8 @@ cudaError_t LaunchEmptyChain(int kernels, int blocks, bool pdl_ops, cudaStream_t
   }
   cudaError_t err = cudaGetLastError();
   for (int k = 1; k < kernels && err == cudaSuccess; ++k) {
-    cudaLaunchConfig_t cfg = {};
-    cfg.gridDim = dim3(blocks);
-    cfg.blockDim = dim3(128);
-    cfg.stream = stream;
-    cudaLaunchAttribute attr[1];
-    attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attr[0].val.programmaticStreamSerializationAllowed = 1;
-    cfg.attrs = attr;
-    cfg.numAttrs = 1;
+    cudaLaunchAttribute attr;
+    const cudaLaunchConfig_t cfg = PdlLaunchConfig(dim3(blocks), dim3(128), 0, stream, &attr);
     err = cudaLaunchKernelEx(&cfg, EmptyPdlKernel);
   }
   return err;
