@@ -96,6 +96,17 @@ struct Cfg {
 // code is the same either way.
 #if !defined(OSCARKV_WARP_EMULATION)
 
+// Programmatic dependent launch (sm_90): a kernel lets the next one in the
+// stream start launching early; the next one waits for this one's memory
+// before it reads it. Both are no-ops when the launch was not programmatic.
+// (The attention kernels, and the GPU benchmark's launch-floor probe.)
+__device__ __forceinline__ void LaunchDependents() {
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+}
+__device__ __forceinline__ void WaitForPrerequisites() {
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+
 // Records the time of `mark` in row `block` of `rows` (thread 0; nothing when
 // tracing is off), and at kTraceStart also the block's multiprocessor.
 __device__ __forceinline__ void Trace(unsigned long long* rows, int block, int mark) {

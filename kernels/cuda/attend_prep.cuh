@@ -1,5 +1,5 @@
-// The query-prep kernel of one decode-attention call and the programmatic
-// dependent launch (PDL) helpers. Included by attend_kernels.cu only.
+// The query-prep kernel of one decode-attention call. Included by
+// attend_kernels.cu only.
 //
 // One block per (item, query head) computes q' = q·R_K·scale·log2e and the
 // head's query fragments for the split kernel. (H200, 2026-11-29: 0.9 µs
@@ -12,16 +12,6 @@
 
 namespace oscarkv {
 namespace cuda_attend {
-
-// Programmatic dependent launch (sm_90): a kernel lets the next one in the
-// stream start launching early; the next one waits for this one's memory
-// before it reads it. Both are no-ops when the launch was not programmatic.
-__device__ __forceinline__ void LaunchDependents() {
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-__device__ __forceinline__ void WaitForPrerequisites() {
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
 
 // Integer query fragments (B of the m16n8k32 u8·s8 MMA), 2·4·2·32 words per
 // plan head (twice that for HistoryWarpIntPv8): word idx is n-tile t,

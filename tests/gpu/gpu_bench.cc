@@ -266,6 +266,8 @@ int Main(int argc, char** argv) {
   std::printf("device: %s\n", backend.description().c_str());
   cudaStream_t stream;
   CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  int sms = 0;  // one wave of the probes below: 4 blocks per SM, as the split kernel's
+  CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
   nlohmann::json out;
   out["device"] = backend.description();
 
@@ -287,8 +289,6 @@ int Main(int argc, char** argv) {
   // B1 128K) GPU side as the attention rows are timed, launch floor included,
   // from windows far enough apart that L2 never holds the next one.
   {
-    int sms = 0;
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     const int blocks = 4 * sms;
     uint32_t* sink;
     CK(cudaMalloc(&sink, sizeof(uint32_t) * blocks));
@@ -334,8 +334,6 @@ int Main(int argc, char** argv) {
     // wait and trigger that the prep kernel runs), and three chained as the
     // attention call's are (plain, then PDL), with 32 blocks (a B = 1 call's
     // prep) and with one wave of 4 blocks per SM (its split).
-    int sms = 0;
-    CK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, 0));
     double bare_us[2], chain_us[2][2];
     for (int w = 0; w < 2; ++w) {
       const int blocks = w == 0 ? 32 : 4 * sms;

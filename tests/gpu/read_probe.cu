@@ -48,8 +48,8 @@ __global__ void __launch_bounds__(kReadThreads) ReadKernel(const uint4* src, siz
 // No work: the wait for the kernel before (a no-op after a plain launch),
 // then the early launch of the next, as the attention kernels do.
 __global__ void EmptyPdlKernel() {
-  asm volatile("griddepcontrol.wait;\n" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+  cuda_attend::WaitForPrerequisites();
+  cuda_attend::LaunchDependents();
 }
 
 // No work at all.
