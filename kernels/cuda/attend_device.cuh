@@ -71,6 +71,12 @@ struct LaunchArgs {
   // rotations of kv head v >> 1; else 0 (plan heads are kv heads). Work
   // units, query fragments and head partials are per plan head.
   int head_shift;
+  // Units claimed by arrival rank (attend_claim.cuh): 0, or the R of the
+  // plan's RankShares, and its S (the SMs); each block claims its unit
+  // through `claims` (kClaimWords counters, zero between launches).
+  int rank_pools;
+  int claim_sms;
+  int* claims;
   OSCARKV_HDC int PlanHeads() const { return geom.kv_heads << head_shift; }
   OSCARKV_HDC int KvHead(int plan_head) const { return plan_head >> head_shift; }
 };

@@ -8,6 +8,7 @@
 #include <type_traits>
 
 #include "absl/strings/str_cat.h"
+#include "kernels/cuda/attend_claim.cuh"
 #include "kernels/cuda/attend_cluster.cuh"
 #include "kernels/cuda/attend_exact.cuh"
 #include "kernels/cuda/attend_history.cuh"
@@ -81,7 +82,11 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   Trace(trace, blockIdx.x, kTraceStart);
   // Work and page tables were uploaded before the prep kernel ran: safe to
   // read before waiting for it.
-  const WorkUnit wu = a.work[blockIdx.x];
+  // (The claimed unit through a shuffle from lane 0, which ptxas can prove
+  // uniform as it can blockIdx.x: read from shared memory as is, its unit's
+  // fields took vector registers and the 128-register kernels spilled 24 to
+  // 120 bytes; H200 builds, 2026-12-02.)
+  const WorkUnit wu = a.work[__shfl_sync(kFull, ClaimUnit(a), 0)];
   const ItemPlan& item = a.items[wu.item];
   // This warp's (m, l) of every head: "no tokens", for warps that get none.
   auto clear_warp_state = [&] { ClearWarpState<HG>(sm_m[warp], sm_l[warp], lane); };
@@ -542,6 +547,12 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
     const SplitLaunch split = SplitLaunchFor<D, NG, G8>(s.variant, s.exact_first);
     OSCARKV_RETURN_IF_ERROR(LaunchPdl(split.kernel, dim3(s.num_work), dim3(kThreads), stream, a,
                                       split.dynamic_smem));
+  }
+  if (s.stages == 2 && s.num_work > 0 && a.rank_pools > 0) {
+    // (Benchmarks' stage timing.) No merge kernel to zero the split's
+    // claim counters for the next launch (ResetClaims).
+    OSCARKV_CUDA_RETURN_IF_ERROR(
+        cudaMemsetAsync(a.claims, 0, sizeof(int) * kClaimWords, stream));
   }
   if (s.stages >= 3) {
     const auto merge = MergeKernelFor<D>(s.wide_merge, s.merge_slice);

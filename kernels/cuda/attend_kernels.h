@@ -70,6 +70,10 @@ struct AttendSchedule {
   bool flat_cut = false;
   int second_parts = 0;
   int next_head_exact = 0;
+  // Units cut and claimed by arrival rank (AttendLauncher::set_rank_skew):
+  // the ranks (blocks per SM; 0: off) and the skew.
+  int rank_pools = 0;
+  double rank_skew = 0.0;
 };
 
 // For benchmarks: the per-block timeline of one call's kernels
@@ -284,6 +288,20 @@ class AttendLauncher {
   // sets the initial value. Takes effect at the next Prepare().
   void set_fold_exact(cuda_attend::FoldExact mode) { fold_exact_ = mode; }
 
+  // Units cut by arrival rank (cuda_attend::RankShares, attend_claim.cuh):
+  // under a flat cut, the unit a block claims weighs 1 - skew x r / (R - 1)
+  // of an even one, r = the block's arrival rank on its SM, R = blocks per
+  // SM, where the even cut's units are long (set_rank_min_unit_pages). 0
+  // turns it off (block b runs unit b, even cuts). Default
+  // kDefaultRankSkew; the environment variable OSCARKV_CUDA_ATTEND_RANK_SKEW
+  // sets the initial value. Takes effect at the next Prepare().
+  static constexpr double kDefaultRankSkew = 0.165;
+  void set_rank_skew(double skew) { rank_skew_ = skew; }
+  // Rank shares only where the even flat cut's units weigh at least this
+  // many pages (cuda_attend::kRankSharePagesPerUnit; environment variable
+  // OSCARKV_CUDA_ATTEND_RANK_MIN_PAGES). For tests and benchmarks.
+  void set_rank_min_unit_pages(long pages) { rank_min_unit_pages_ = pages; }
+
   // For benchmarks only, results are wrong: parts of the history loop of
   // variants 0, 3, 5-8 and 11 (D <= 128) to skip, to time the rest in place
   // (bit 1: q·K, bit 2: softmax and P·V, bit 4: the loads after the first
@@ -333,6 +351,9 @@ class AttendLauncher {
   bool trace_ = false;
   bool results_in_device_memory_ = false;
   long wave_units_ = 0;
+  double rank_skew_ = kDefaultRankSkew;
+  long rank_min_unit_pages_ = cuda_attend::kRankSharePagesPerUnit;
+  int* claims_ = nullptr;  // [cuda_attend::kClaimWords], zero between launches
   bool pair_heads_ = true;
   // Paired heads: the kv heads' plan, before PairHeadUnits doubles it into
   // the staging buffer.
@@ -393,9 +414,12 @@ class AttendLauncher {
     bool exact_first = false;
     bool flat_cut = false;
     bool paired = false;
+    cuda_attend::RankShares shares;
     bool operator==(const PlanShape& o) const {
       return capacity == o.capacity && kv_heads == o.kv_heads && fold == o.fold &&
-             exact_first == o.exact_first && flat_cut == o.flat_cut && paired == o.paired;
+             exact_first == o.exact_first && flat_cut == o.flat_cut && paired == o.paired &&
+             shares.pools == o.shares.pools && shares.skew == o.shares.skew &&
+             shares.min_unit_pages == o.shares.min_unit_pages;
     }
   };
   PlanShape plan_shape_;

@@ -67,6 +67,16 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_PAIR_HEADS")) {
     l->pair_heads_ = std::atoi(v) != 0;
   }
+  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_RANK_SKEW")) l->rank_skew_ = std::atof(v);
+  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_RANK_MIN_PAGES")) {
+    l->rank_min_unit_pages_ = std::atol(v);
+  }
+  // The split kernel's unit claims start at zero; each launch's merge kernel
+  // zeroes them again (ResetClaims).
+  OSCARKV_CUDA_ALLOC_OR_RETURN(
+      l->claims_, cudaMalloc(&l->claims_, sizeof(int) * cuda_attend::kClaimWords),
+      "cudaMalloc (attention unit claims)");
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemset(l->claims_, 0, sizeof(int) * cuda_attend::kClaimWords));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
   return l;
 }
@@ -83,6 +93,7 @@ AttendLauncher::~AttendLauncher() {
   if (results_ != nullptr) cudaFreeHost(results_);
   if (upload_done_ != nullptr) cudaEventDestroy(upload_done_);
   if (page_tables_ != nullptr) cudaFree(page_tables_);
+  if (claims_ != nullptr) cudaFree(claims_);
 }
 
 absl::Status AttendLauncher::Reserve(size_t staging_bytes, size_t results_bytes,
@@ -225,8 +236,16 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
     // Paired heads: each unit of the kv heads' plan takes two blocks.
     const long capacity = std::max<long>(1, wave >> head_shift);
     OSCARKV_ASSIGN_OR_RETURN(const bool exact_first, cuda_attend::HasExactFirstKernel(shape));
+    // Rank shares need the blocks of a unit's rank to be the plan's units
+    // (not paired heads' halves) and a claim counter per SM.
+    cuda_attend::RankShares shares;
+    if (!paired && known->second >= 2 && known->second <= cuda_attend::kMaxRankPools &&
+        num_sms_ <= cuda_attend::kClaimSms) {
+      shares = cuda_attend::RankShares{known->second, rank_skew_, rank_min_unit_pages_};
+    }
+    if (!shares.active()) shares = cuda_attend::RankShares{};
     const PlanShape plan_shape{capacity, H, static_cast<int>(fold_exact_), exact_first,
-                               cuda_attend::HasTwoHeadKernel(shape), paired};
+                               cuda_attend::HasTwoHeadKernel(shape), paired, shares};
     auto counts = [&](int i) { return std::make_pair(b.items[i].num_pages, b.items[i].num_exact); };
     same_plan = had_plan && plan_shape == plan_shape_ && plan_counts_.size() == size_t(n);
     for (int i = 0; same_plan && i < n; ++i) same_plan = plan_counts_[i] == counts(i);
@@ -235,7 +254,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       plan_counts_.resize(n);
       for (int i = 0; i < n; ++i) plan_counts_[i] = counts(i);
       plan_sizes_ = cuda_attend::SizeAttendUnits(b.items, n, H, capacity, fold_exact_, exact_first,
-                                                 plan_shape.flat_cut);
+                                                 plan_shape.flat_cut, shares);
     }
     shape.exact_first = plan_sizes_.fold_exact && exact_first;
   }
@@ -471,6 +490,13 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.geom = geom;
   a.g = gp;
   a.head_shift = head_shift;
+  // Units claimed by arrival rank where the plan cut them by it (else block
+  // b runs unit b), when a slot (rank, SM) exists for every unit: one wave.
+  const bool rank_cut = shape.cluster_blocks == 0 && sizes.rank_shares &&
+                        num_work <= long(plan_shape_.shares.pools) * num_sms_;
+  a.rank_pools = rank_cut ? plan_shape_.shares.pools : 0;
+  a.claim_sms = num_sms_;
+  a.claims = claims_;
   a.hq = b.num_q_heads;
   a.scale_log2 = b.scale * 1.4426950408889634f;
   a.ablate = ablate_;
@@ -519,6 +545,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.paired_heads = paired;
   schedule_.merge_slice = shape.merge_slice;
   schedule_.flat_cut = sizes.flat;
+  schedule_.rank_pools = rank_cut ? plan_shape_.shares.pools : 0;
+  schedule_.rank_skew = rank_cut ? plan_shape_.shares.skew : 0.0;
   schedule_.plan_reused = plan_reused ? 1 : 0;
   schedule_.second_parts = second_parts;
   schedule_.next_head_exact = next_head_exact;

@@ -4,6 +4,7 @@
 #ifndef OSCARKV_KERNELS_CUDA_ATTEND_MERGE_CUH_
 #define OSCARKV_KERNELS_CUDA_ATTEND_MERGE_CUH_
 
+#include "kernels/cuda/attend_claim.cuh"
 #include "kernels/cuda/attend_prep.cuh"
 
 namespace oscarkv {
@@ -214,6 +215,7 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   }
   WaitForPrerequisites();  // the split kernel's partials
   Trace(trace, block, kTraceWaited);
+  if (block == 0) ResetClaims(a);
 
   // Entries [0, nh) are history partials, [nh, n) exact ones. Warp w takes
   // entries w + kWarps·i, 32 per round: lane i reads entry i's (m, l), so the

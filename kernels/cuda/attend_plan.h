@@ -96,13 +96,22 @@ inline constexpr int kClusterBlocks = 8;
 // global memory, combined in registers by the last one).
 inline constexpr int kMaxClustersPerHead = 16;
 
+// The split kernel's unit claims (attend_claim.cuh): the slots taken on
+// each SM id (below kClaimSms; blocks on higher ids take a free slot of
+// another). At most kMaxRankPools ranks.
+inline constexpr int kMaxRankPools = 8;
+inline constexpr int kClaimSms = 256;
+inline constexpr int kClaimWords = kClaimSms;
+
 // Per query head: {2^E, qsum[4 groups], 0, 0, 0} (see the prep kernel).
 inline constexpr int kQueryMetaFloats = 8;
 
 // Benchmarks only (AttendLauncher::set_trace): a per-block timeline of the
 // prep, split and merge kernels of one call. Each block writes one row of
 // kTraceMarks 64-bit words: %globaltimer (ns) at the marks it passes (0 at
-// the others) and, in word kTraceSm, the multiprocessor it ran on. Thread 0
+// the others) and, in word kTraceSm, the multiprocessor it ran on (low 32
+// bits) and, for a split block that claimed its unit (rank pools), the unit
+// + 1 (high 32 bits; 0: the block's index is its unit). Thread 0
 // writes them, so "done" marks of a warp are warp 0's; a mark is when thread
 // 0 reads the timer (the compiler may move neighbouring memory operations
 // across it). An index means different points in different kernels (the

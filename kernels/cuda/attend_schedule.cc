@@ -160,7 +160,8 @@ UnitSizes SizeUnits(const AttendItem* items, int n, int H, long capacity, bool f
 
 }  // namespace
 
-bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<FlatUnit>* out) {
+bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<FlatUnit>* out,
+              const RankShares& shares, long first_unit) {
   out->clear();
   if (pages <= 0 || H <= 0 || units <= 0) return pages <= 0 || H <= 0;
   if (cost <= 0) exact = 0;  // weightless blocks would be cut anywhere
@@ -179,16 +180,39 @@ bool FlatCuts(long pages, int exact, long cost, int H, int units, std::vector<Fl
   // t + acc / units, kept in step without a division per cut (this runs in
   // a Prepare for hundreds of units): t = floor, acc the remainder.
   const long q = total / units, r = total % units;
+  // With rank shares: cut k at total x S_k / S_units (S_k: the shares of
+  // units [0, k)), as t + acc / units with acc rounded.
+  std::vector<double> share_before;
+  if (shares.active()) {
+    share_before.assign(units + 1, 0.0);
+    for (int k = 0; k < units; ++k) {
+      share_before[k + 1] = share_before[k] + shares.share(first_unit + k);
+    }
+  }
   long t = 0, acc = 0;
   long th = 0, ts = 0;  // the head of weight t, and its first weight
   long prev = 0, h0 = 0, e0 = 0;  // the unit's first element, as (head, element)
   long w0 = 0;                    // and the weight before it
   for (int k = 1; k <= units; ++k) {
-    t += q;
-    acc += r;
-    if (acc >= units) {
-      acc -= units;
-      ++t;
+    if (share_before.empty()) {
+      t += q;
+      acc += r;
+      if (acc >= units) {
+        acc -= units;
+        ++t;
+      }
+    } else {
+      const long double x = static_cast<long double>(total) * share_before[k] / share_before[units];
+      t = static_cast<long>(std::floor(x));
+      acc = std::lround(static_cast<double>((x - t) * units));
+      if (acc >= units) {
+        acc -= units;
+        ++t;
+      }
+      if (k == units) {
+        t = total;
+        acc = 0;
+      }
     }
     while (th + 1 < H && t >= ts + head_weight) {
       ++th;
@@ -274,7 +298,8 @@ HeadCut CutPerHead(long pages, int exact, long ppu, long cost, std::vector<long>
 // kv head each, the remainder to the items with the heaviest units; each is
 // cut flat, or per head when its flat cut would not fit FlatUnit (few pages
 // for many exact blocks). False (u unchanged) when no item is cut flat.
-bool CutFlat(const AttendItem* items, int n, int H, long target, UnitSizes* u) {
+bool CutFlat(const AttendItem* items, int n, int H, long target, const RankShares& shares,
+             UnitSizes* u) {
   // Folded blocks need a weight to be cut with the pages (the kernels that
   // run them after the pages have none, and no flat cut).
   if (u->fold_exact && u->exact_page_cost <= 0) return false;
@@ -336,7 +361,8 @@ bool CutFlat(const AttendItem* items, int n, int H, long target, UnitSizes* u) {
     if (pages <= 0) continue;
     const int e = blocks_of(i);
     if (head_splits[i] == 0) {
-      if (FlatCuts(pages, e, cost, H, units[i], &cut)) {
+      // (The item's units follow the exact units and the items before it.)
+      if (FlatCuts(pages, e, cost, H, units[i], &cut, shares, u->exact_units + history_units)) {
         any_flat = true;
         units[i] = static_cast<int>(cut.size());
         history_units += units[i];
@@ -375,7 +401,7 @@ bool CutFlat(const AttendItem* items, int n, int H, long target, UnitSizes* u) {
 }  // namespace
 
 UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity, FoldExact fold,
-                          bool exact_first, bool flat_cut) {
+                          bool exact_first, bool flat_cut, RankShares shares) {
   UnitSizes sizes;
   switch (fold) {
     case FoldExact::kAlways:
@@ -392,7 +418,16 @@ UnitSizes SizeAttendUnits(const AttendItem* items, int n, int H, long capacity, 
     }
   }
   sizes.exact_page_cost = sizes.fold_exact && exact_first ? kFoldedExactPageCost : 0;
-  if (flat_cut) CutFlat(items, n, H, HistoryShare(capacity, sizes.exact_units), &sizes);
+  if (flat_cut) {
+    const UnitSizes unflat = sizes;
+    const long share = HistoryShare(capacity, sizes.exact_units);
+    CutFlat(items, n, H, share, RankShares{}, &sizes);
+    if (sizes.flat && shares.active() && sizes.pages_per_unit >= shares.min_unit_pages) {
+      sizes = unflat;
+      CutFlat(items, n, H, share, shares, &sizes);
+      sizes.rank_shares = sizes.flat;
+    }
+  }
   return sizes;
 }
 

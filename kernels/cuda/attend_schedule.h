@@ -61,6 +61,7 @@ struct UnitSizes {
   std::vector<int> flat_units;   // per item
   std::vector<long> head_pages;  // per item
   std::vector<FlatUnit> flat_cuts;  // the flat items' units, item after item
+  bool rank_shares = false;  // the flat cut weighed by arrival rank (RankShares)
   long num_work() const { return exact_units + history_units; }
 };
 
@@ -108,6 +109,38 @@ inline constexpr long kFoldPagesPerUnit = 16;
 // 106.9 (203); B1 128K 59.9 vs 57.1 (93); B1 32K 31.6 vs 26.3 (24).)
 inline constexpr long kFoldPagesPerUnitExactAfter = 256;
 
+// Shares of a wave by arrival rank. The blocks resident on one SM do not
+// stream at the same speed: the first to start keeps priority, so with
+// equal units the k-th block of an SM ends later than the first (H200,
+// 2026-12-02, one wave of 4 blocks per SM, loop times by the blocks' order
+// on their SM: B1 128K 16.9 / 17.7 / 18.8 / 20.2 us, B8 64K 68.1 / 70.7 /
+// 75.5 / 81.9; tests/bench/RESULTS.md run 32), and each SM ends with its
+// last block. With shares, unit w of a launch is cut to weigh
+// 1 - skew x r / (pools - 1) of an even unit, r = w % pools: the r-th block
+// to arrive on an SM runs a unit of rank r (ClaimUnit in attend_claim.cuh).
+// Ranks alternate unit by unit, so each item of a batch has units of
+// every rank.
+struct RankShares {
+  int pools = 0;      // blocks per SM of the wave; < 2: even cuts
+  double skew = 0.0;  // the last rank's shortfall against the first; <= 0: even cuts
+  // Shares only where the even flat cut's units weigh at least this many
+  // pages (kRankSharePagesPerUnit).
+  long min_unit_pages = 0;
+  bool active() const { return pools > 1 && skew > 0.0; }
+  // Unit w's weight against an even unit's (1 when not active).
+  double share(long w) const {
+    return active() ? 1.0 - skew * double(w % pools) / double(pools - 1) : 1.0;
+  }
+};
+
+// Rank shares pay where units are long: the even flat cut's heaviest unit
+// at least this many pages. (H200, 2026-12-02, 4 ranks, skew 0.165 against
+// even cuts, GPU side: B8 64K (264 pages per unit) 96.1-96.7 -> 93.7-93.9
+// us, B8 32K (139) 59.7-59.8 -> 57.9-58.2; B1 128K (67) 33.7 -> 34.6-34.8
+// with the claims of call 3, which cost the blocks 0.7 us more before their
+// first loads; tests/bench/RESULTS.md run 32.)
+inline constexpr long kRankSharePagesPerUnit = 128;
+
 // Sizes the units so that they fit in one wave of `capacity` resident
 // blocks. Exact units (item, kv head, up to exact_per_unit blocks) take at
 // most capacity / 4 of the wave when the history is light (they are short
@@ -132,9 +165,12 @@ inline constexpr long kFoldPagesPerUnitExactAfter = 256;
 // fit FlatUnit, are cut per head. Per (item, kv head) cuts give B8 64K on
 // an H200 512 units for 528 slots; a flat cut gives 528 of ~3 % less weight
 // each.
+// With active `shares` and a flat cut whose even units weigh at least
+// shares.min_unit_pages, the flat items are cut by rank shares instead
+// (UnitSizes::rank_shares).
 UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, long capacity,
                           FoldExact fold = FoldExact::kAuto, bool exact_first = true,
-                          bool flat_cut = false);
+                          bool flat_cut = false, RankShares shares = {});
 
 
 // Cuts one item's history flat: its kv heads' exact blocks (weight `cost`
@@ -145,9 +181,11 @@ UnitSizes SizeAttendUnits(const AttendItem* items, int num_items, int kv_heads, 
 // in order. Returns false when a unit does not have the form FlatUnit
 // describes (it would cover more than two kv heads, or the exact blocks of
 // two, or a whole head's pages after its blocks: too few units for the
-// item's heads), which the caller answers with per-head cuts.
+// item's heads), which the caller answers with per-head cuts. With active
+// `shares`, unit k (launch unit first_unit + k) gets shares.share(first_unit
+// + k) of an even share instead, in proportion.
 bool FlatCuts(long pages, int exact, long cost, int kv_heads, int units,
-              std::vector<FlatUnit>* out);
+              std::vector<FlatUnit>* out, const RankShares& shares = {}, long first_unit = 0);
 
 // An item whose exact blocks ride on its `hist_splits` history units: each
 // of its first units takes ceil(E / hist_splits) blocks (FoldedExactPerUnit),

@@ -24,6 +24,7 @@ struct Case {
   FoldExact fold = FoldExact::kAuto;
   bool exact_first = true;  // the shape's split kernel runs folded blocks first
   bool flat_cut = false;    // the shape's split kernel runs units of two kv heads
+  RankShares shares;        // unit weights by arrival rank (flat cuts)
 };
 
 // The partials each (item, kv head)'s parts write: its history and exact sets.
@@ -89,11 +90,12 @@ void ExpectRangesNameWhatWasWritten(const std::vector<HeadPartials>& heads,
 
 void CheckPlan(const Case& c) {
   const int n = static_cast<int>(c.items.size()), H = c.kv_heads;
-  const UnitSizes sizes =
-      SizeAttendUnits(c.items.data(), n, H, c.capacity, c.fold, c.exact_first, c.flat_cut);
+  const UnitSizes sizes = SizeAttendUnits(c.items.data(), n, H, c.capacity, c.fold, c.exact_first,
+                                          c.flat_cut, c.shares);
   EXPECT_EQ(sizes.exact_page_cost,
             sizes.fold_exact && c.exact_first ? kFoldedExactPageCost : 0);
   if (!c.flat_cut) EXPECT_FALSE(sizes.flat);
+  if (sizes.rank_shares) EXPECT_TRUE(sizes.flat && c.shares.active());
   std::vector<WorkUnit> work(sizes.num_work());
   std::vector<HeadPartials> heads(size_t(n) * H);
   FillAttendUnits(sizes, c.items.data(), n, H, work.data(), heads.data());
@@ -390,6 +392,9 @@ TEST(AttendSchedule, CoversRandomBatches) {
       c.fold = fold;
       c.flat_cut = true;
       CheckPlan(c);
+      c.shares = RankShares{2 + trial % 4, 0.05 * (1 + trial % 6)};
+      CheckPlan(c);
+      c.shares = RankShares{};
       flat_plans += SizeAttendUnits(c.items.data(), n, c.kv_heads, c.capacity, fold, true, true).flat;
       c.exact_first = false;  // folded blocks without a weight: never flat
       CheckPlan(c);
@@ -422,6 +427,70 @@ long HeaviestUnit(const std::vector<AttendItem>& items, int H, long capacity, bo
   for (const WorkUnit& w : work) heaviest = std::max(heaviest, UnitWeight(w, u.exact_page_cost));
   if (flat) EXPECT_EQ(u.pages_per_unit, heaviest);
   return heaviest;
+}
+
+// Rank shares (B1 128K and B8 64K on 4 blocks x 132 SMs): unit w weighs
+// 1 - skew x (w % 4) / 3 of an even unit, within one folded exact block's
+// weight, every page and block still covered once (CheckPlan); without
+// shares, or with a skew of 0, the even cut.
+TEST(AttendSchedule, FlatCutsWeighUnitsByArrivalRank) {
+  const RankShares shares{4, 0.165};
+  const std::vector<AttendItem> b8(8, Item(2038, 10));
+  for (const int n : {1, 8}) {
+    SCOPED_TRACE(n);
+    const std::vector<AttendItem> items(n, Item(n == 1 ? 4086 : 2038, 10));
+    const UnitSizes u =
+        SizeAttendUnits(items.data(), n, 8, 528, FoldExact::kAuto, true, true, shares);
+    ASSERT_TRUE(u.flat);
+    EXPECT_TRUE(u.rank_shares);
+    EXPECT_EQ(u.history_units, 528);
+    CheckPlan({items, 8, 528, FoldExact::kAuto, true, true, shares});
+    std::vector<WorkUnit> work(u.num_work());
+    std::vector<HeadPartials> heads(size_t(n) * 8);
+    FillAttendUnits(u, items.data(), n, 8, work.data(), heads.data());
+    // Each item's units: its weight over the shares of its units.
+    double rank_weight[4] = {0, 0, 0, 0};
+    long total = 0;
+    for (const WorkUnit& w : work) total += UnitWeight(w, u.exact_page_cost);
+    const long per_item = total / n;
+    EXPECT_EQ(per_item * n, total);
+    for (int i = 0, w0 = 0; i < n; ++i) {
+      double share_sum = 0;
+      for (int k = 0; k < u.flat_units[i]; ++k) share_sum += shares.share(w0 + k);
+      for (int k = 0; k < u.flat_units[i]; ++k) {
+        const long w = w0 + k;
+        const double want = double(per_item) * shares.share(w) / share_sum;
+        EXPECT_NEAR(double(UnitWeight(work[w], u.exact_page_cost)), want,
+                    double(kFoldedExactPageCost) + 1.0) << "unit " << w;
+        rank_weight[w % 4] += double(UnitWeight(work[w], u.exact_page_cost));
+      }
+      w0 += u.flat_units[i];
+    }
+    for (int r = 1; r < 4; ++r) {
+      EXPECT_NEAR(rank_weight[r] / rank_weight[0], 1.0 - 0.165 * r / 3, 0.01) << "rank " << r;
+    }
+  }
+  // The threshold: B1 128K's even units (67 pages) stay even, B8 64K's
+  // (264) take the shares.
+  RankShares long_units = shares;
+  long_units.min_unit_pages = kRankSharePagesPerUnit;
+  const std::vector<AttendItem> b1{Item(4086, 10)};
+  const UnitSizes b1_even = SizeAttendUnits(b1.data(), 1, 8, 528, FoldExact::kAuto, true, true,
+                                            long_units);
+  EXPECT_TRUE(b1_even.flat);
+  EXPECT_FALSE(b1_even.rank_shares);
+  EXPECT_TRUE(SizeAttendUnits(b8.data(), 8, 8, 528, FoldExact::kAuto, true, true, long_units)
+                  .rank_shares);
+  // No skew, or one pool: the even cut, unit for unit.
+  for (const RankShares off : {RankShares{4, 0.0}, RankShares{1, 0.3}, RankShares{}}) {
+    const UnitSizes even = SizeAttendUnits(b8.data(), 8, 8, 528, FoldExact::kAuto, true, true);
+    const UnitSizes u = SizeAttendUnits(b8.data(), 8, 8, 528, FoldExact::kAuto, true, true, off);
+    ASSERT_EQ(u.flat_cuts.size(), even.flat_cuts.size());
+    for (size_t k = 0; k < u.flat_cuts.size(); ++k) {
+      EXPECT_EQ(u.flat_cuts[k].weight, even.flat_cuts[k].weight);
+      EXPECT_EQ(u.flat_cuts[k].begin, even.flat_cuts[k].begin);
+    }
+  }
 }
 
 TEST(AttendSchedule, FlatCutsSpreadTheWeightEvenlyOverEveryUnitOfTheWave) {

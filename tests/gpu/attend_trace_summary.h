@@ -73,6 +73,7 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
       const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
       // Differences in integers first: a double cannot hold the raw ns.
       auto us = [&](int m) { return double(static_cast<long long>(row[m] - t0)) / 1e3; };
+      const unsigned long long sm = row[kTraceSm] & 0xffffffffull;  // (high bits: the unit)
       for (int m = 0; m < kTraceMarks; ++m) {
         if (*mark_names[k][m] != '\0' && row[m] != 0) at[m].push_back(us(m));
       }
@@ -82,15 +83,15 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
       if (k != kTraceSplit) continue;
       if (row[kTraceWaited] != 0 && row[kTraceLoopDone] != 0) {
         history_run.push_back(us(kTraceLoopDone) - us(kTraceWaited));
-        if (row[kTraceStart] != 0) history_on_sm.emplace_back(row[kTraceSm], history_run.back());
+        if (row[kTraceStart] != 0) history_on_sm.emplace_back(sm, history_run.back());
       }
       if (row[kTraceExactFirstStep] != 0 && row[kTraceExactDone] != 0) {
         exact_run.push_back(us(kTraceExactDone) - us(kTraceExactFirstStep));
       }
       if (row[kTraceStart] == 0) continue;
-      ++on_sm[row[kTraceSm]];
+      ++on_sm[sm];
       if (row[kTraceEnd] == 0) continue;
-      auto [it, fresh] = sm_end.emplace(row[kTraceSm], us(kTraceEnd));
+      auto [it, fresh] = sm_end.emplace(sm, us(kTraceEnd));
       if (!fresh) it->second = std::max(it->second, us(kTraceEnd));
       if (row[kTraceWaited] != 0) {
         (row[kTraceExactDone] != 0 ? end_exact : end_pages_only).push_back(us(kTraceEnd));

@@ -1305,6 +1305,158 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
   }
 }
 
+// Rank pools (attend_claim.cuh): under a flat cut the split blocks claim
+// their units by arrival rank, so the block that runs a unit changes from
+// launch to launch. Each unit is claimed once (the trace names it), also
+// when most blocks find no slot of their own SM (a short wave), the
+// counters are left at zero for the next launch (launches without a new
+// Prepare, graph replays and a traced launch all give the first launch's
+// bits), and the results match the CPU backend's; with the skew at 0 (even units, block b
+// running unit b) they match too.
+TEST(CudaAttendLauncher, UnitsClaimedByArrivalRankGiveTheSameBitsEveryLaunch) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  const int H = 8, g = 4, D = 128, Hq = H * g;
+  const PageGeometry geom{H, D, D, 32};
+  const float scale = 1.0f / std::sqrt(float(D));
+  const size_t block_elems = geom.exact_block_bytes() / 2;
+  std::mt19937_64 rng(777);
+  auto rotations = RandomRotations(*gpu, D, 1, rng);
+  ASSERT_TRUE(rotations.ok()) << rotations.status();
+  const int kPages = 1000, kBlocks = 3;
+  std::vector<bf16_bits> staging =
+      RandomKvRows(size_t(kPages + kBlocks) * block_elems / D, D, rng);
+  auto pages_or = EncodePagesOnCpu(geom, staging.data(), kPages, rotations->host_ref());
+  ASSERT_TRUE(pages_or.ok()) << pages_or.status();
+  staging.erase(staging.begin(), staging.begin() + size_t(kPages) * block_elems);
+  auto pages_dev = Upload(*gpu, *pages_or);
+  auto blocks_dev = Upload(*gpu, staging);
+  ASSERT_TRUE(pages_dev.ok() && blocks_dev.ok());
+  std::vector<const uint8_t*> pg, pg_host;
+  for (int p = 0; p < kPages; ++p) {
+    pg.push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
+    pg_host.push_back(pages_or->data() + size_t(p) * geom.page_bytes());
+  }
+  std::vector<ExactBlockRef> ex, ex_host;
+  for (int b = 0; b < kBlocks; ++b) {
+    ex.push_back({blocks_dev->as<bf16_bits>() + b * block_elems, 32 - 5 * b});
+    ex_host.push_back({&staging[b * block_elems], 32 - 5 * b});
+  }
+  std::vector<float> q(size_t(Hq) * D), out(q.size()), lse(Hq);
+  std::normal_distribution<float> nd(0.0f, 1.5f);
+  for (float& x : q) x = nd(rng);
+  AttendItem item{q.data(), out.data(), lse.data(), rotations->device_ref()};
+  item.pages = pg.data();
+  item.num_pages = kPages;
+  item.exact = ex.data();
+  item.num_exact = kBlocks;
+  const AttendBatch batch{geom, Hq, scale, &item, 1};
+  // The CPU backend's results on the host copies.
+  std::vector<float> out_cpu(out.size()), lse_cpu(lse.size());
+  AttendItem item_cpu = item;
+  item_cpu.out = out_cpu.data();
+  item_cpu.lse = lse_cpu.data();
+  item_cpu.rotation = rotations->host_ref();
+  item_cpu.pages = pg_host.data();
+  item_cpu.exact = ex_host.data();
+  CpuBackend cpu(2);
+  ASSERT_TRUE(cpu.Attend(AttendBatch{geom, Hq, scale, &item_cpu, 1}).ok());
+
+  auto launcher = AttendLauncher::Create(0);
+  ASSERT_TRUE(launcher.ok()) << launcher.status();
+  AttendLauncher& L = **launcher;
+  L.set_variant(AttendLauncher::kFlatCutVariant);
+  L.set_rank_min_unit_pages(0);  // its ~15-page units too
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  auto run = [&](auto&& launch) {
+    std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
+    std::fill(lse.begin(), lse.end(), std::numeric_limits<float>::quiet_NaN());
+    launch();
+    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+    const absl::Status copied = L.CopyResults(batch);
+    EXPECT_TRUE(copied.ok()) << copied;
+    std::vector<float> r = out;
+    r.insert(r.end(), lse.begin(), lse.end());
+    return r;
+  };
+  auto prepare_and_launch = [&] {
+    absl::Status st = L.Prepare(batch, stream);
+    if (st.ok()) st = L.Launch(stream);
+    EXPECT_TRUE(st.ok()) << st;
+  };
+  auto launch = [&] { EXPECT_TRUE(L.Launch(stream).ok()); };
+  auto expect_cpu = [&](const std::vector<float>& got) {
+    for (size_t e = 0; e < out.size(); ++e) {
+      ASSERT_NEAR(got[e], out_cpu[e], OutTol(D, D, g) * (1.0f + std::fabs(out_cpu[e])))
+          << "element " << e;
+    }
+    for (int h = 0; h < Hq; ++h) {
+      ASSERT_NEAR(got[out.size() + h], lse_cpu[h], kLseTol * (1.0f + std::fabs(lse_cpu[h])))
+          << "lse " << h;
+    }
+  };
+  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  const std::vector<float> first = run(prepare_and_launch);
+  const AttendSchedule sc = L.schedule();
+  ASSERT_TRUE(sc.flat_cut);
+  ASSERT_GE(sc.rank_pools, 2) << "the device's wave has one block per SM";
+  EXPECT_EQ(sc.rank_skew, AttendLauncher::kDefaultRankSkew);
+  expect_cpu(first);
+  for (int k = 0; k < 3; ++k) EXPECT_TRUE(same_bits(run(launch), first)) << "launch " << k;
+  {
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    ASSERT_TRUE(L.Launch(stream).ok());
+    ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    for (int k = 0; k < 2; ++k) {
+      EXPECT_TRUE(same_bits(run([&] { EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess); }),
+                            first))
+          << "replay " << k;
+    }
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  }
+  {
+    // Each split block's row names the unit it claimed: every unit once.
+    L.set_trace(true);
+    EXPECT_TRUE(same_bits(run(prepare_and_launch), first)) << "traced";
+    auto trace = L.TakeTrace(stream);
+    ASSERT_TRUE(trace.ok()) << trace.status();
+    using namespace cuda_attend;
+    const size_t units = size_t(sc.exact_units + sc.history_units);
+    ASSERT_EQ(trace->blocks(kTraceSplit), units);
+    std::vector<int> claimed(units, 0);
+    for (size_t b = 0; b < units; ++b) {
+      const unsigned long long unit = trace->rows[kTraceSplit][b * kTraceMarks + kTraceSm] >> 32;
+      ASSERT_GE(unit, 1u) << "block " << b << " claimed no unit";
+      ASSERT_LE(unit, units) << "block " << b;
+      ++claimed[unit - 1];
+    }
+    for (size_t u = 0; u < units; ++u) EXPECT_EQ(claimed[u], 1) << "unit " << u;
+    L.set_trace(false);
+  }
+  EXPECT_TRUE(same_bits(run(launch), first)) << "after the traced launch";
+  // A wave of 53 units: the blocks on SMs past the 14th have no slot of
+  // their own (s·R + r >= 53) and take the free ones of other SMs.
+  L.set_wave_units(53);
+  const std::vector<float> short_wave = run(prepare_and_launch);
+  EXPECT_GE(L.schedule().rank_pools, 2);
+  EXPECT_LE(L.schedule().exact_units + L.schedule().history_units, 53);
+  expect_cpu(short_wave);
+  for (int k = 0; k < 2; ++k) EXPECT_TRUE(same_bits(run(launch), short_wave)) << "53, launch " << k;
+  L.set_wave_units(0);
+  EXPECT_TRUE(same_bits(run(prepare_and_launch), first)) << "the device's wave again";
+  L.set_rank_skew(0.0);
+  const std::vector<float> even = run(prepare_and_launch);
+  EXPECT_EQ(L.schedule().rank_pools, 0);
+  expect_cpu(even);
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 TEST(CudaAttendLimits, NullOrMisalignedPageIsRefusedByIndex) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   auto pool = gpu->Allocate(4096);

@@ -36,10 +36,14 @@
 //                                   the first / median / last block of each kernel passes each
 //                                   mark; with --trace-twice each traced call is the second of
 //                                   two in a row on the same inputs)
+//                     [--trace-dump FILE]  (with --trace: every traced block's row as CSV,
+//                                           call,kernel,block,unit,sm then the 7 marks in ns from
+//                                           the call's first prep block start, empty if unset)
 #include <cuda_runtime.h>
 
 #include <algorithm>
 #include <atomic>
+#include <cerrno>
 #include <chrono>
 #include <cmath>
 #include <cstdio>
@@ -172,6 +176,43 @@ struct Shape {
   int batch, tokens;
 };
 
+// --trace-dump: each traced call's blocks, one CSV line each (times in ns
+// from the call's first prep block start; marks a block did not pass are
+// left empty), for analyses the summary does not make (per-SM loop times).
+void DumpTraces(const std::vector<AttendTrace>& traces, const std::string& key, std::FILE* f) {
+  using namespace cuda_attend;
+  for (size_t c = 0; c < traces.size(); ++c) {
+    const AttendTrace& t = traces[c];
+    unsigned long long t0 = ~0ull;
+    for (int k = 0; k < kTraceKernels; ++k) {
+      for (size_t b = 0; b < t.blocks(k); ++b) {
+        const unsigned long long s = t.rows[k][b * kTraceMarks + kTraceStart];
+        if (s != 0) t0 = std::min(t0, s);
+      }
+    }
+    for (int k = 0; k < kTraceKernels; ++k) {
+      for (size_t b = 0; b < t.blocks(k); ++b) {
+        const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
+        if (row[kTraceStart] == 0) continue;  // a block without a timeline
+        // The unit: the block's index unless it claimed one (rank pools).
+        const unsigned long long claimed = row[kTraceSm] >> 32;
+        std::fprintf(f, "%s,%zu,%d,%zu,%llu,%llu", key.c_str(), c, k, b,
+                     claimed > 0 ? claimed - 1 : static_cast<unsigned long long>(b),
+                     row[kTraceSm] & 0xffffffffull);
+        for (int m = 0; m < kTraceMarks; ++m) {
+          if (m == kTraceSm) continue;
+          if (row[m] == 0) {
+            std::fprintf(f, ",");
+          } else {
+            std::fprintf(f, ",%lld", static_cast<long long>(row[m] - t0));
+          }
+        }
+        std::fprintf(f, "\n");
+      }
+    }
+  }
+}
+
 // --trace: after one warm-up round, `calls` more calls of the launchers' sets
 // in turn (L2 stays cold for the pages) with per-block timestamps, each
 // queued behind a hold as the GPU-side timings are (the GPU sees the launches
@@ -180,7 +221,7 @@ struct Shape {
 // timelines (gputest::PrintTraceSummary). The launchers stay traced.
 void PrintCallTraces(std::vector<std::unique_ptr<AttendLauncher>>& launchers,
                      const std::vector<AttendBatch>& batches, cudaStream_t stream, int calls,
-                     bool twice) {
+                     bool twice, const std::string& key, std::FILE* dump) {
   const int sets = static_cast<int>(launchers.size());
   if (launchers[0]->schedule().clusters_per_head > 0) {
     std::printf("%-13s   trace: none (variant 11's cluster kernel records no timeline)\n", "");
@@ -201,6 +242,7 @@ void PrintCallTraces(std::vector<std::unique_ptr<AttendLauncher>>& launchers,
     CKS(t.status());
     if (i >= sets) traces.push_back(std::move(t).value());
   }
+  if (dump != nullptr) DumpTraces(traces, key, dump);
   std::printf("%-13s   trace, median of %d calls%s, us from the first prep block's start "
               "(first / median / last block):\n", "", calls,
               twice ? " (each the second of two calls in a row: code and data warm)" : "");
@@ -215,6 +257,7 @@ int Main(int argc, char** argv) {
   int fold_exact = 0;
   int trace_calls = 0;
   bool trace_twice = false;
+  std::string trace_dump_path;
   int q_heads = 32;
   int pair_heads = 1;
   for (int i = 1; i < argc; ++i) {
@@ -227,6 +270,7 @@ int Main(int argc, char** argv) {
     else if (a == "--fold" && i + 1 < argc) fold_exact = std::atoi(argv[++i]);
     else if (a == "--trace" && i + 1 < argc) trace_calls = std::atoi(argv[++i]);
     else if (a == "--trace-twice") trace_twice = true;  // with --trace
+    else if (a == "--trace-dump" && i + 1 < argc) trace_dump_path = argv[++i];  // with --trace
     else if (a == "--q-heads" && i + 1 < argc) q_heads = std::atoi(argv[++i]);
     else if (a == "--pair-heads" && i + 1 < argc) pair_heads = std::atoi(argv[++i]);
     else if (a == "--variant" && i + 1 < argc) {
@@ -242,7 +286,7 @@ int Main(int argc, char** argv) {
       std::fprintf(stderr,
                    "usage: %s [--baseline sdpa.json] [--json out.json] [--iters N] "
                    "[--only B1_S131072] [--variant N[,N...]] [--ablate BITS] [--fold 0|1|2] "
-                   "[--trace N [--trace-twice]] [--q-heads 32..64, a multiple of 8] "
+                   "[--trace N [--trace-twice] [--trace-dump FILE]] [--q-heads 32..64, a multiple of 8] "
                    "[--pair-heads 0|1]\n",
                    argv[0]);
       return 2;
@@ -253,9 +297,20 @@ int Main(int argc, char** argv) {
                  "--q-heads must be a multiple of the 8 kv heads, at most 64 (8 per kv head)\n");
     return 2;
   }
-  if (trace_twice && trace_calls <= 0) {
-    std::fprintf(stderr, "--trace-twice needs --trace N (N > 0)\n");
+  if ((trace_twice || !trace_dump_path.empty()) && trace_calls <= 0) {
+    std::fprintf(stderr, "--trace-twice and --trace-dump need --trace N (N > 0)\n");
     return 2;
+  }
+  std::unique_ptr<std::FILE, int (*)(std::FILE*)> trace_dump(nullptr, &std::fclose);
+  if (!trace_dump_path.empty()) {
+    trace_dump.reset(std::fopen(trace_dump_path.c_str(), "w"));
+    if (trace_dump == nullptr) {
+      std::fprintf(stderr, "cannot write --trace-dump %s: %s\n", trace_dump_path.c_str(),
+                   std::strerror(errno));
+      return 2;
+    }
+    std::fprintf(trace_dump.get(), "shape,call,kernel,block,unit,sm,start,mark2,mark3,mark4,mark5,"
+                                   "mark6,end\n");
   }
   auto backend_or = CreateCudaBackend(0);
   if (!backend_or.ok()) {
@@ -763,10 +818,15 @@ int Main(int argc, char** argv) {
                   sched.history_units, sched.clusters_per_head, sched.cluster_blocks);
     } else {
       const char* flat = " at most, exact blocks counted as pages, cut flat over the kv heads";
-      std::printf("units: %d exact + %d history (%d pages each%s), %d partials; ran v%d%s%s, "
+      char ranks[96] = "";
+      if (sched.rank_pools > 0) {
+        std::snprintf(ranks, sizeof(ranks), ", claimed by arrival rank (%d ranks, skew %.3f)",
+                      sched.rank_pools, sched.rank_skew);
+      }
+      std::printf("units: %d exact + %d history (%d pages each%s%s), %d partials; ran v%d%s%s, "
                   "merge slices of %d dims\n",
                   sched.exact_units, sched.history_units, sched.pages_per_unit,
-                  sched.flat_cut ? flat : "", sched.partials, sched.variant,
+                  sched.flat_cut ? flat : "", ranks, sched.partials, sched.variant,
                   sched.integer_pv ? "" : " (its float P'V kernel at this shape)",
                   sched.paired_heads ? " on paired heads (two blocks per unit of the kv heads)"
                                      : "",
@@ -787,7 +847,8 @@ int Main(int argc, char** argv) {
                   "", stage_us[0], stage_us[1], gpu_us, stage_us[1] - stage_us[0],
                   gpu_us - stage_us[1]);
     }
-    if (trace_calls > 0) PrintCallTraces(launchers, batches, stream, trace_calls, trace_twice);
+    if (trace_calls > 0) PrintCallTraces(launchers, batches, stream, trace_calls, trace_twice, key,
+                                         trace_dump.get());
     const auto& sc = launchers[0]->schedule();
     rows.push_back({{"shape", key}, {"variant", variant}, {"us", us}, {"graph_us", graph_us}, {"call_us", call_us},
                     {"call_named_tables_us", named.call_us},
