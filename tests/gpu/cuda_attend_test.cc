@@ -1038,6 +1038,30 @@ TEST(CudaAttendPageTables, NamedTablesUploadOnlyTheirNewPagesAndMatchTheCpu) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// Runs `launch` (enqueues on `stream`), waits for it and copies L's results
+// into out and lse (poisoned first, so every element must be copied);
+// returns out, then lse.
+template <typename Launch>
+std::vector<float> RunAndCopyResults(AttendLauncher& L, const AttendBatch& batch,
+                                     cudaStream_t stream, std::vector<float>& out,
+                                     std::vector<float>& lse, Launch&& launch) {
+  std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
+  std::fill(lse.begin(), lse.end(), std::numeric_limits<float>::quiet_NaN());
+  launch();
+  EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
+  const absl::Status copied = L.CopyResults(batch);
+  EXPECT_TRUE(copied.ok()) << copied;
+  std::vector<float> r = out;
+  r.insert(r.end(), lse.begin(), lse.end());
+  return r;
+}
+
+void PrepareAndLaunch(AttendLauncher& L, const AttendBatch& batch, cudaStream_t stream) {
+  absl::Status st = L.Prepare(batch, stream);
+  if (st.ok()) st = L.Launch(stream);
+  EXPECT_TRUE(st.ok()) << st;
+}
+
 // A prepared launch replayed without a new Prepare (directly, and as a CUDA
 // graph, as attend_kernels.h allows) reads the pages as they are on the
 // device at that time: after the pages' contents change, each replay equals
@@ -1103,25 +1127,8 @@ TEST(CudaAttendLauncher, ReplayedLaunchesReadThePagesOfTheirTime) {
     AttendLauncher& L = **launcher;
     cudaStream_t stream = nullptr;
     ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-    const float kNaN = std::numeric_limits<float>::quiet_NaN();
-    // Runs `launch`, copies the launcher's results into out and lse
-    // (poisoned first, so every element must be copied), returns both.
-    auto run = [&](auto&& launch) {
-      std::fill(out.begin(), out.end(), kNaN);
-      std::fill(lse.begin(), lse.end(), kNaN);
-      launch();
-      EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-      const absl::Status copied = L.CopyResults(batch);
-      EXPECT_TRUE(copied.ok()) << copied;
-      std::vector<float> r = out;
-      r.insert(r.end(), lse.begin(), lse.end());
-      return r;
-    };
-    auto prepare_and_launch = [&] {
-      absl::Status st = L.Prepare(batch, stream);
-      if (st.ok()) st = L.Launch(stream);
-      EXPECT_TRUE(st.ok()) << st;
-    };
+    auto run = [&](auto&& launch) { return RunAndCopyResults(L, batch, stream, out, lse, launch); };
+    auto prepare_and_launch = [&] { PrepareAndLaunch(L, batch, stream); };
     // Against the CPU backend on the same pages (host copies): `got` from
     // the items `dev_items`, whose exact blocks are dev_ex's; their host
     // copies are host_ex.
@@ -1368,22 +1375,8 @@ TEST(CudaAttendLauncher, UnitsClaimedByArrivalRankGiveTheSameBitsEveryLaunch) {
   L.set_rank_min_unit_pages(0);  // its ~15-page units too
   cudaStream_t stream = nullptr;
   ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
-  auto run = [&](auto&& launch) {
-    std::fill(out.begin(), out.end(), std::numeric_limits<float>::quiet_NaN());
-    std::fill(lse.begin(), lse.end(), std::numeric_limits<float>::quiet_NaN());
-    launch();
-    EXPECT_EQ(cudaStreamSynchronize(stream), cudaSuccess);
-    const absl::Status copied = L.CopyResults(batch);
-    EXPECT_TRUE(copied.ok()) << copied;
-    std::vector<float> r = out;
-    r.insert(r.end(), lse.begin(), lse.end());
-    return r;
-  };
-  auto prepare_and_launch = [&] {
-    absl::Status st = L.Prepare(batch, stream);
-    if (st.ok()) st = L.Launch(stream);
-    EXPECT_TRUE(st.ok()) << st;
-  };
+  auto run = [&](auto&& launch) { return RunAndCopyResults(L, batch, stream, out, lse, launch); };
+  auto prepare_and_launch = [&] { PrepareAndLaunch(L, batch, stream); };
   auto launch = [&] { EXPECT_TRUE(L.Launch(stream).ok()); };
   auto expect_cpu = [&](const std::vector<float>& got) {
     for (size_t e = 0; e < out.size(); ++e) {
