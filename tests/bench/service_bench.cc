@@ -97,6 +97,7 @@ void BenchIngest(bool quick) {
   grpc::ServerBuilder builder;
   int sink_port = 0;
   builder.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &sink_port);
+  builder.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);  // a port of its own, as the server
   builder.RegisterService(&sink_service);
   builder.SetMaxReceiveMessageSize(64 << 20);
   auto sink_server = builder.BuildAndStart();

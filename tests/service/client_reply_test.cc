@@ -94,6 +94,11 @@ class ClientReply : public ::testing::Test {
   void SetUp() override {
     grpc::ServerBuilder b;
     b.AddListeningPort("127.0.0.1:0", grpc::InsecureServerCredentials(), &port_);
+    // Without SO_REUSEPORT, as the real server: with it (gRPC's default), two
+    // servers created at once on port 0 (another suite's fixture) may get
+    // the same port, and this test's calls reach the other's fake
+    // (grpc/grpc#10755).
+    b.AddChannelArgument(GRPC_ARG_ALLOW_REUSEPORT, 0);
     b.RegisterService(&fake_);
     server_ = b.BuildAndStart();
     ASSERT_NE(server_, nullptr);
