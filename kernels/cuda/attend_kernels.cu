@@ -548,17 +548,25 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
     OSCARKV_RETURN_IF_ERROR(LaunchPdl(split.kernel, dim3(s.num_work), dim3(kThreads), stream, a,
                                       split.dynamic_smem));
   }
-  if (s.stages == 2 && s.num_work > 0 && a.rank_pools > 0) {
-    // (Benchmarks' stage timing.) No merge kernel to zero the split's
-    // claim counters for the next launch (ResetClaims).
-    OSCARKV_CUDA_RETURN_IF_ERROR(
-        cudaMemsetAsync(a.claims, 0, sizeof(int) * kClaimWords, stream));
-  }
+  // Without a merge kernel after a split that claimed its units (the
+  // benchmarks' stage timing, or a merge launch that failed), the claim
+  // counters are zeroed here for the next launch (else ResetClaims does it).
+  const bool claimed = s.num_work > 0 && a.rank_pools > 0;
+  auto reset_claims = [&] {
+    return claimed ? cudaMemsetAsync(a.claims, 0, sizeof(int) * kClaimWords, stream)
+                   : cudaSuccess;
+  };
+  if (s.stages == 2) OSCARKV_CUDA_RETURN_IF_ERROR(reset_claims());
   if (s.stages >= 3) {
     const auto merge = MergeKernelFor<D>(s.wide_merge, s.merge_slice);
-    if (merge == nullptr) return absl::InternalError("no merge kernel for that slice");
-    OSCARKV_RETURN_IF_ERROR(LaunchPdl(merge, dim3(s.num_items, s.hq, D / s.merge_slice),
-                                      dim3(kThreads), stream, a));
+    absl::Status launched = merge == nullptr
+                                ? absl::InternalError("no merge kernel for that slice")
+                                : LaunchPdl(merge, dim3(s.num_items, s.hq, D / s.merge_slice),
+                                            dim3(kThreads), stream, a);
+    if (!launched.ok()) {
+      reset_claims();  // the launch's error is the one to report
+      return launched;
+    }
   }
   return absl::OkStatus();
 }
