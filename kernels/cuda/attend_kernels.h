@@ -418,8 +418,7 @@ class AttendLauncher {
     bool operator==(const PlanShape& o) const {
       return capacity == o.capacity && kv_heads == o.kv_heads && fold == o.fold &&
              exact_first == o.exact_first && flat_cut == o.flat_cut && paired == o.paired &&
-             shares.pools == o.shares.pools && shares.skew == o.shares.skew &&
-             shares.min_unit_pages == o.shares.min_unit_pages;
+             shares == o.shares;
     }
   };
   PlanShape plan_shape_;

@@ -545,7 +545,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   schedule_.paired_heads = paired;
   schedule_.merge_slice = shape.merge_slice;
   schedule_.flat_cut = sizes.flat;
-  schedule_.rank_pools = rank_cut ? plan_shape_.shares.pools : 0;
+  schedule_.rank_pools = a.rank_pools;
   schedule_.rank_skew = rank_cut ? plan_shape_.shares.skew : 0.0;
   schedule_.plan_reused = plan_reused ? 1 : 0;
   schedule_.second_parts = second_parts;

@@ -131,6 +131,9 @@ struct RankShares {
   double share(long w) const {
     return active() ? 1.0 - skew * double(w % pools) / double(pools - 1) : 1.0;
   }
+  bool operator==(const RankShares& o) const {
+    return pools == o.pools && skew == o.skew && min_unit_pages == o.min_unit_pages;
+  }
 };
 
 // Rank shares pay where units are long: the even flat cut's heaviest unit

@@ -482,8 +482,8 @@ TEST(AttendSchedule, FlatCutsWeighUnitsByArrivalRank) {
   EXPECT_TRUE(SizeAttendUnits(b8.data(), 8, 8, 528, FoldExact::kAuto, true, true, long_units)
                   .rank_shares);
   // No skew, or one pool: the even cut, unit for unit.
+  const UnitSizes even = SizeAttendUnits(b8.data(), 8, 8, 528, FoldExact::kAuto, true, true);
   for (const RankShares off : {RankShares{4, 0.0}, RankShares{1, 0.3}, RankShares{}}) {
-    const UnitSizes even = SizeAttendUnits(b8.data(), 8, 8, 528, FoldExact::kAuto, true, true);
     const UnitSizes u = SizeAttendUnits(b8.data(), 8, 8, 528, FoldExact::kAuto, true, true, off);
     ASSERT_EQ(u.flat_cuts.size(), even.flat_cuts.size());
     for (size_t k = 0; k < u.flat_cuts.size(); ++k) {

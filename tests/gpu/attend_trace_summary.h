@@ -39,10 +39,9 @@ inline Spread SpreadOf(std::vector<double> v) {
 // The median of v (the upper one of an even count; 0 when empty).
 inline double Median(std::vector<double> v) { return SpreadOf(std::move(v)).median; }
 
-// One call's figures, by name ("split.waited" etc.), each a Spread.
-inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
+// The call's first block start (ns; ~0 when no block has a timeline).
+inline unsigned long long TraceStartNs(const AttendTrace& t) {
   using namespace cuda_attend;
-  std::map<std::string, Spread> out;
   unsigned long long t0 = ~0ull;
   for (int k = 0; k < kTraceKernels; ++k) {
     for (size_t b = 0; b < t.blocks(k); ++b) {
@@ -50,6 +49,24 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
       if (s != 0) t0 = std::min(t0, s);
     }
   }
+  return t0;
+}
+
+// A row's multiprocessor, and the unit its block ran (`block` unless the
+// block claimed one: the high word of kTraceSm, unit + 1).
+inline unsigned long long TraceSmOf(const unsigned long long* row) {
+  return row[cuda_attend::kTraceSm] & 0xffffffffull;
+}
+inline unsigned long long TraceUnitOf(const unsigned long long* row, size_t block) {
+  const unsigned long long claimed = row[cuda_attend::kTraceSm] >> 32;
+  return claimed > 0 ? claimed - 1 : static_cast<unsigned long long>(block);
+}
+
+// One call's figures, by name ("split.waited" etc.), each a Spread.
+inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
+  using namespace cuda_attend;
+  std::map<std::string, Spread> out;
+  const unsigned long long t0 = TraceStartNs(t);
   if (t0 == ~0ull) return out;
   const char* kernel_names[kTraceKernels] = {"prep", "split", "merge"};
   // What each mark means in each kernel (attend_plan.h); "" = unused.
@@ -73,7 +90,7 @@ inline std::map<std::string, Spread> TraceFigures(const AttendTrace& t) {
       const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
       // Differences in integers first: a double cannot hold the raw ns.
       auto us = [&](int m) { return double(static_cast<long long>(row[m] - t0)) / 1e3; };
-      const unsigned long long sm = row[kTraceSm] & 0xffffffffull;  // (high bits: the unit)
+      const unsigned long long sm = TraceSmOf(row);
       for (int m = 0; m < kTraceMarks; ++m) {
         if (*mark_names[k][m] != '\0' && row[m] != 0) at[m].push_back(us(m));
       }

@@ -183,22 +183,13 @@ void DumpTraces(const std::vector<AttendTrace>& traces, const std::string& key, 
   using namespace cuda_attend;
   for (size_t c = 0; c < traces.size(); ++c) {
     const AttendTrace& t = traces[c];
-    unsigned long long t0 = ~0ull;
-    for (int k = 0; k < kTraceKernels; ++k) {
-      for (size_t b = 0; b < t.blocks(k); ++b) {
-        const unsigned long long s = t.rows[k][b * kTraceMarks + kTraceStart];
-        if (s != 0) t0 = std::min(t0, s);
-      }
-    }
+    const unsigned long long t0 = gputest::TraceStartNs(t);
     for (int k = 0; k < kTraceKernels; ++k) {
       for (size_t b = 0; b < t.blocks(k); ++b) {
         const unsigned long long* row = t.rows[k].data() + b * kTraceMarks;
         if (row[kTraceStart] == 0) continue;  // a block without a timeline
-        // The unit: the block's index unless it claimed one (rank pools).
-        const unsigned long long claimed = row[kTraceSm] >> 32;
         std::fprintf(f, "%s,%zu,%d,%zu,%llu,%llu", key.c_str(), c, k, b,
-                     claimed > 0 ? claimed - 1 : static_cast<unsigned long long>(b),
-                     row[kTraceSm] & 0xffffffffull);
+                     gputest::TraceUnitOf(row, b), gputest::TraceSmOf(row));
         for (int m = 0; m < kTraceMarks; ++m) {
           if (m == kTraceSm) continue;
           if (row[m] == 0) {
