@@ -344,11 +344,13 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
 }
 
 // Launches `kernel` with programmatic stream serialization (PDL) allowed.
+// (pdl false: a plain launch, for the benchmarks' skip_prep.)
 template <typename Kernel>
 absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream,
-                       const LaunchArgs& a, size_t dynamic_smem = 0) {
+                       const LaunchArgs& a, size_t dynamic_smem = 0, bool pdl = true) {
   cudaLaunchAttribute attr;
-  const cudaLaunchConfig_t cfg = PdlLaunchConfig(grid, block, dynamic_smem, stream, &attr);
+  cudaLaunchConfig_t cfg = PdlLaunchConfig(grid, block, dynamic_smem, stream, &attr);
+  if (!pdl) cfg.numAttrs = 0;
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a));
   return absl::OkStatus();
 }
@@ -541,12 +543,14 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
   // kernel, as the exact parts do.
   const long heads = long(s.num_items) * s.hq;
   if (heads > 0x7fffffffL) return absl::InvalidArgumentError("attention batch too large");
-  PrepKernel<D, G8><<<dim3(static_cast<unsigned>(heads)), PrepThreads(D), 0, stream>>>(a);
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  if (!s.skip_prep) {
+    PrepKernel<D, G8><<<dim3(static_cast<unsigned>(heads)), PrepThreads(D), 0, stream>>>(a);
+    OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
+  }
   if (s.stages >= 2 && s.num_work > 0) {
     const SplitLaunch split = SplitLaunchFor<D, NG, G8>(s.variant, s.exact_first);
     OSCARKV_RETURN_IF_ERROR(LaunchPdl(split.kernel, dim3(s.num_work), dim3(kThreads), stream, a,
-                                      split.dynamic_smem));
+                                      split.dynamic_smem, !s.skip_prep));
   }
   // Without a merge kernel after a split that claimed its units (the
   // benchmarks' stage timing, or a merge launch that failed), the claim

@@ -266,6 +266,13 @@ class AttendLauncher {
   // at 1.
   // Takes effect at the next Prepare().
   void set_launch_stages(int stages) { stages_ = stages; }
+  // For benchmarks only, results are those of the previous call's query:
+  // Launch() skips the prep kernel and launches the split kernel plainly
+  // (not PDL), so that the split reads the query fragments the last launch
+  // left. The call's time without the prep kernel and its hop: what folding
+  // the prep into the split could gain at most. Takes effect at the next
+  // Prepare().
+  void set_skip_prep(bool on) { skip_prep_ = on; }
 
   // Where the merge kernel writes the outputs: to mapped pinned host memory,
   // over the bus (the default: the service's results go to the host, and a
@@ -360,6 +367,7 @@ class AttendLauncher {
   std::vector<cuda_attend::WorkUnit> pair_plan_work_;
   std::vector<cuda_attend::HeadPartials> pair_plan_heads_;
   int stages_ = 3;
+  bool skip_prep_ = false;
   // Pinned staging of the upload; the workspace (device): the uploaded region,
   // then device-only scratch (query fragments, partials, cluster counts,
   // trace rows); the outputs, in mapped pinned memory that the merge kernel

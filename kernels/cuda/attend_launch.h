@@ -22,6 +22,9 @@ struct LaunchShape {
   int hq = 0;
   int variant = 0;  // split-kernel variant: set by AttendLauncher::Prepare (set_variant)
   int stages = 3;   // kernels enqueued: 1 = prep, 2 = + split, 3 = + merge (all)
+  // Benchmarks only (AttendLauncher::set_skip_prep): no prep kernel; the
+  // split kernel, launched plainly, reads the fragments the last call left.
+  bool skip_prep = false;
   bool wide_merge = false;  // MergeBatch(head_dim, true): some kv head has many partials
   // Output dims per merge block: 32, or 64 (D = 128, not wide_merge) when
   // the grid of 32-dim blocks would not be resident at once.

@@ -183,6 +183,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const long history_token_heads = total_pages * geom.page_tokens * Hp;
   shape.variant = ResolveVariant(variant_, history_token_heads, num_sms_);
   shape.stages = stages_;
+  shape.skip_prep = skip_prep_;
   // Variant 11: one cluster kernel with as many clusters per (item, kv
   // head) as fit at once for all of them; else the default variant's three
   // kernels.

@@ -677,6 +677,23 @@ int Main(int argc, char** argv) {
             stream, 3 * sets, iters, [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
       }
     }
+    // The same calls without the prep kernel (AttendLauncher::set_skip_prep;
+    // the split reads the last call's fragments): the most that computing
+    // the query fragments inside the split kernel could save.
+    double no_prep_us = 0;
+    if (stages) {
+      auto prepare_all = [&](bool skip) {
+        for (int s = 0; s < sets; ++s) {
+          launchers[s]->set_skip_prep(skip);
+          CKS(launchers[s]->Prepare(batches[s], stream));
+        }
+        CK(cudaStreamSynchronize(stream));
+      };
+      prepare_all(true);
+      no_prep_us = TimeEventsQueued(stream, 3 * sets, iters,
+                                    [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
+      prepare_all(false);
+    }
     // The same calls with the outputs written to device memory, as SDPA's
     // stay there (AttendLauncher::set_results_in_device_memory): what the
     // service's writes over the bus to mapped host memory cost.
@@ -837,6 +854,9 @@ int Main(int argc, char** argv) {
                   "(split adds %.1f, merge adds %.1f)\n",
                   "", stage_us[0], stage_us[1], gpu_us, stage_us[1] - stage_us[0],
                   gpu_us - stage_us[1]);
+      std::printf("%-13s   GPU-side without the prep kernel (split and merge only, the last "
+                  "call's query fragments): %.1f us, %.1f us less\n",
+                  "", no_prep_us, gpu_us - no_prep_us);
     }
     if (trace_calls > 0) PrintCallTraces(launchers, batches, stream, trace_calls, trace_twice, key,
                                          trace_dump.get());
@@ -851,7 +871,8 @@ int Main(int argc, char** argv) {
                     {"nonfinite", bad},
                     {"gpu_us", gpu_us}, {"sdpa_gpu_us", sdpa_gpu},
                     {"gpu_device_out_us", device_out_us},
-                    {"prep_us", stage_us[0]}, {"prep_split_us", stage_us[1]}});
+                    {"prep_us", stage_us[0]}, {"prep_split_us", stage_us[1]},
+                    {"no_prep_us", no_prep_us}});
   }
   out["attention"] = rows;
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
