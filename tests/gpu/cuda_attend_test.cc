@@ -1450,6 +1450,149 @@ TEST(CudaAttendLauncher, UnitsClaimedByArrivalRankGiveTheSameBitsEveryLaunch) {
   EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
 }
 
+// The split kernel's own query prep (AttendLauncher::set_prep_in_split,
+// AwaitQueryPrep): the first block of each (item, plan head) makes the
+// fragments, the others wait. It gives the prep kernel's results bit for bit
+// (same slices, same sums), at 1-4 query heads per kv head and on paired
+// heads (6 and 8), under the flat cut of two-head units (19) and the
+// per-head units of 15, in a batch of three items of different lengths (one
+// with exact blocks only) and two rotations (so the kernels read each
+// item's); the states go back to pending for the next launch (launches
+// without a new Prepare, a graph replay, and a launch after one cut before
+// the merge kernel give the same bits); and the results match the CPU's.
+// A rotation that is not 16-byte aligned gets the prep kernel.
+TEST(CudaAttendLauncher, QueriesPreparedInTheSplitKernelGiveThePrepKernelsBits) {
+  if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
+  const int H = 8, D = 128;
+  const PageGeometry geom{H, D, D, 32};
+  const float scale = 1.0f / std::sqrt(float(D));
+  const size_t block_elems = geom.exact_block_bytes() / 2;
+  std::mt19937_64 rng(4242);
+  auto rot_a = RandomRotations(*gpu, D, 1, rng);
+  auto rot_b = RandomRotations(*gpu, D, H, rng);  // one per kv head
+  auto rot_odd = RandomRotations(*gpu, D, 1, rng, 1);  // not 16-byte aligned
+  ASSERT_TRUE(rot_a.ok() && rot_b.ok() && rot_odd.ok());
+  const int kPages = 400, kBlocks = 4;
+  std::vector<bf16_bits> staging =
+      RandomKvRows(size_t(kPages + kBlocks) * block_elems / D, D, rng);
+  auto pages_or = EncodePagesOnCpu(geom, staging.data(), kPages, rot_a->host_ref());
+  ASSERT_TRUE(pages_or.ok()) << pages_or.status();
+  staging.erase(staging.begin(), staging.begin() + size_t(kPages) * block_elems);
+  auto pages_dev = Upload(*gpu, *pages_or);
+  auto blocks_dev = Upload(*gpu, staging);
+  ASSERT_TRUE(pages_dev.ok() && blocks_dev.ok());
+  std::vector<const uint8_t*> pg, pg_host;
+  for (int p = 0; p < kPages; ++p) {
+    pg.push_back(pages_dev->as<uint8_t>() + size_t(p) * geom.page_bytes());
+    pg_host.push_back(pages_or->data() + size_t(p) * geom.page_bytes());
+  }
+  std::vector<ExactBlockRef> ex, ex_host;
+  for (int b = 0; b < kBlocks; ++b) {
+    ex.push_back({blocks_dev->as<bf16_bits>() + b * block_elems, 32 - 7 * b});
+    ex_host.push_back({&staging[b * block_elems], 32 - 7 * b});
+  }
+  cudaStream_t stream = nullptr;
+  ASSERT_EQ(cudaStreamCreate(&stream), cudaSuccess);
+  auto same_bits = [](const std::vector<float>& a, const std::vector<float>& b) {
+    return a.size() == b.size() && std::memcmp(a.data(), b.data(), a.size() * 4) == 0;
+  };
+  struct Case {
+    int gqa, variant;
+    bool two_rotations;  // else every item has rot_a (LaunchArgs::rotation)
+  };
+  for (const Case c : {Case{4, AttendLauncher::kFlatCutVariant, false},
+                       Case{4, 15, true}, Case{1, AttendLauncher::kFlatCutVariant, true},
+                       Case{2, 15, false}, Case{3, AttendLauncher::kFlatCutVariant, true},
+                       Case{6, AttendLauncher::kFlatCutVariant, false},
+                       Case{8, AttendLauncher::kFlatCutVariant, true}}) {
+    SCOPED_TRACE(testing::Message() << "g " << c.gqa << ", variant " << c.variant
+                                    << (c.two_rotations ? ", two rotations" : ""));
+    const int Hq = H * c.gqa;
+    // Items: 400 pages + 4 exact blocks, 37 pages + 1 block, exact blocks only.
+    const int n = 3, item_pages[n] = {kPages, 37, 0}, item_blocks[n] = {kBlocks, 1, 2};
+    std::vector<float> q(size_t(n) * Hq * D), out(q.size()), lse(size_t(n) * Hq);
+    std::normal_distribution<float> nd(0.0f, 1.5f);
+    for (float& x : q) x = nd(rng);
+    std::vector<AttendItem> items(n), items_cpu(n);
+    std::vector<float> out_cpu(out.size()), lse_cpu(lse.size());
+    for (int i = 0; i < n; ++i) {
+      const bool b_rot = c.two_rotations && i == 1;
+      const gputest::Rotations& r = b_rot ? *rot_b : *rot_a;
+      items[i] = AttendItem{&q[size_t(i) * Hq * D], &out[size_t(i) * Hq * D], &lse[size_t(i) * Hq],
+                            r.device_ref()};
+      items[i].pages = pg.data() + (kPages - item_pages[i]);
+      items[i].num_pages = item_pages[i];
+      items[i].exact = ex.data() + (kBlocks - item_blocks[i]);
+      items[i].num_exact = item_blocks[i];
+      items_cpu[i] = items[i];
+      items_cpu[i].out = &out_cpu[size_t(i) * Hq * D];
+      items_cpu[i].lse = &lse_cpu[size_t(i) * Hq];
+      items_cpu[i].rotation = r.host_ref();
+      items_cpu[i].pages = pg_host.data() + (kPages - item_pages[i]);
+      items_cpu[i].exact = ex_host.data() + (kBlocks - item_blocks[i]);
+    }
+    const AttendBatch batch{geom, Hq, scale, items.data(), n};
+    CpuBackend cpu(2);
+    ASSERT_TRUE(cpu.Attend(AttendBatch{geom, Hq, scale, items_cpu.data(), n}).ok());
+
+    auto launcher = AttendLauncher::Create(0);
+    ASSERT_TRUE(launcher.ok()) << launcher.status();
+    AttendLauncher& L = **launcher;
+    L.set_variant(c.variant);
+    auto run = [&](auto&& launch) { return RunAndCopyResults(L, batch, stream, out, lse, launch); };
+    auto prepare_and_launch = [&] { PrepareAndLaunch(L, batch, stream); };
+    auto launch = [&] { EXPECT_TRUE(L.Launch(stream).ok()); };
+    L.set_prep_in_split(false);
+    const std::vector<float> by_prep_kernel = run(prepare_and_launch);
+    EXPECT_FALSE(L.schedule().prep_in_split);
+    L.set_prep_in_split(true);
+    const std::vector<float> first = run(prepare_and_launch);
+    ASSERT_TRUE(L.schedule().prep_in_split);
+    EXPECT_EQ(L.schedule().paired_heads, c.gqa > 4);
+    EXPECT_TRUE(same_bits(first, by_prep_kernel)) << "the prep kernel's bits";
+    const double tol = OutTol(D, D, c.gqa);
+    for (size_t e = 0; e < out.size(); ++e) {
+      ASSERT_NEAR(first[e], out_cpu[e], tol * (1.0f + std::fabs(out_cpu[e]))) << "element " << e;
+    }
+    for (size_t h = 0; h < lse.size(); ++h) {
+      ASSERT_NEAR(first[out.size() + h], lse_cpu[h], kLseTol * (1.0f + std::fabs(lse_cpu[h])))
+          << "lse " << h;
+    }
+    for (int k = 0; k < 2; ++k) EXPECT_TRUE(same_bits(run(launch), first)) << "launch " << k;
+    {
+      cudaGraph_t graph = nullptr;
+      cudaGraphExec_t exec = nullptr;
+      ASSERT_EQ(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+      ASSERT_TRUE(L.Launch(stream).ok());
+      ASSERT_EQ(cudaStreamEndCapture(stream, &graph), cudaSuccess);
+      ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+      for (int k = 0; k < 2; ++k) {
+        EXPECT_TRUE(same_bits(run([&] { EXPECT_EQ(cudaGraphLaunch(exec, stream), cudaSuccess); }),
+                              first))
+            << "replay " << k;
+      }
+      EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+      EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    }
+    // A launch cut after the split kernel (no merge to reset the states):
+    // the launcher resets them, so the next whole launch prepares again.
+    L.set_launch_stages(2);
+    prepare_and_launch();
+    L.set_launch_stages(3);
+    EXPECT_TRUE(same_bits(run(prepare_and_launch), first)) << "after a launch without merge";
+    if (c.gqa == 4 && !c.two_rotations) {
+      // R_K one float past 16-byte alignment: the prep kernel's path.
+      for (AttendItem& it : items) it.rotation = rot_odd->device_ref();
+      const std::vector<float> odd = run(prepare_and_launch);
+      EXPECT_FALSE(L.schedule().prep_in_split);
+      L.set_prep_in_split(false);
+      EXPECT_TRUE(same_bits(run(prepare_and_launch), odd));
+      for (AttendItem& it : items) it.rotation = rot_a->device_ref();
+    }
+  }
+  EXPECT_EQ(cudaStreamDestroy(stream), cudaSuccess);
+}
+
 TEST(CudaAttendLimits, NullOrMisalignedPageIsRefusedByIndex) {
   if (gpu == nullptr) GTEST_SKIP() << "no CUDA device";
   auto pool = gpu->Allocate(4096);
