@@ -77,18 +77,9 @@ struct LaunchArgs {
   int rank_pools;
   int claim_sms;
   int* claims;
-  // The split kernel prepares the queries itself (AwaitQueryPrep in
-  // attend_prep.cuh; no prep kernel): one state per (item, plan head),
-  // kPrepPending between launches (the merge kernel resets them). Null: the
-  // prep kernel made the fragments.
-  int* prep_states;
   OSCARKV_HDC int PlanHeads() const { return geom.kv_heads << head_shift; }
   OSCARKV_HDC int KvHead(int plan_head) const { return plan_head >> head_shift; }
 };
-
-// LaunchArgs::prep_states: nobody has claimed the pair's prep, a block is
-// making its fragments, they are written.
-constexpr int kPrepPending = 0, kPrepClaimed = 1, kPrepReady = 2;
 
 template <int D, int NG, bool G8>
 struct Cfg {

@@ -74,11 +74,7 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
   static_assert(kStages == 0 || !kPipeline, "the stage ring replaces the register buffers");
   static_assert(!kTwoHeads || (kShortChain && kStages == 0), "two heads: variant 15's loop");
   constexpr int HG = C::HG;
-  // The kernels that can prepare the queries themselves (SplitPreparesQueries).
-  constexpr bool kPrepInSplit = kShortChain && kStages == 0 && !G8;
   __shared__ __align__(16) float sm_o[kWarps][HG][D];  // also the exact steps' scratch
-  static_assert(!kPrepInSplit || kWarps * HG * D >= InSplitPrepScratchFloats<D>(),
-                "the query prep's scratch is sm_o");
   __shared__ float sm_m[kWarps][HG];
   __shared__ float sm_l[kWarps][HG];
   const int warp = WarpIndex(), lane = threadIdx.x & 31;
@@ -292,19 +288,10 @@ __global__ void __launch_bounds__(kThreads, kMinBlocks) SplitKernel(LaunchArgs a
           hw.Finish(a.g, sm_o[warp], sm_m[warp], sm_l[warp]);
         }
       } else {
-        // The first chunks' loads overlap the prep kernel (or this kernel's
-        // own query prep).
+        // The first chunks' loads overlap the prep kernel.
         if (iters > 0) hw.Load(ra, page_of(0), in_page(0));
         if (kPrefetch && iters > 1) hw.Load(rb, page_of(1), in_page(1));
-        if constexpr (kPrepInSplit) {
-          if (a.prep_states != nullptr) {
-            AwaitQueryPrep<D>(a, wu.item, kv_head, &sm_o[0][0][0]);
-          } else {
-            WaitForPrerequisites();  // the prep kernel's query fragments
-          }
-        } else {
-          WaitForPrerequisites();  // the prep kernel's query fragments
-        }
+        WaitForPrerequisites();  // the prep kernel's query fragments
         LaunchDependents();
         Trace(trace, blockIdx.x, kTraceWaited);
         if (iters > 0) {
@@ -554,35 +541,24 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
   // split kernel's units (which start once every prep block is running) may
   // read the queries and write partials before they wait for the prep
   // kernel, as the exact parts do.
-  // With prep_in_split (a.prep_states) the split kernel makes the query
-  // fragments itself: no prep kernel, and the split is the plain launch.
   const long heads = long(s.num_items) * s.hq;
   if (heads > 0x7fffffffL) return absl::InvalidArgumentError("attention batch too large");
-  const bool prep_kernel = !s.skip_prep && !s.prep_in_split;
-  if (prep_kernel) {
+  if (!s.skip_prep) {
     PrepKernel<D, G8><<<dim3(static_cast<unsigned>(heads)), PrepThreads(D), 0, stream>>>(a);
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaGetLastError());
   }
-  const bool split_runs = s.stages >= 2 && s.num_work > 0;
-  if (split_runs) {
+  if (s.stages >= 2 && s.num_work > 0) {
     const SplitLaunch split = SplitLaunchFor<D, NG, G8>(s.variant, s.exact_first);
     OSCARKV_RETURN_IF_ERROR(LaunchPdl(split.kernel, dim3(s.num_work), dim3(kThreads), stream, a,
-                                      split.dynamic_smem, prep_kernel));
+                                      split.dynamic_smem, !s.skip_prep));
   }
-  // Without a merge kernel after a split that claimed its units or prepared
-  // its queries (the benchmarks' stage timing, or a merge launch that
-  // failed), the claim counters and prep states are zeroed here for the
-  // next launch (else the merge kernel does it).
-  const bool claimed = split_runs && a.rank_pools > 0;
-  const bool prepared = split_runs && a.prep_states != nullptr;
+  // Without a merge kernel after a split that claimed its units (the
+  // benchmarks' stage timing, or a merge launch that failed), the claim
+  // counters are zeroed here for the next launch (else ResetClaims does it).
+  const bool claimed = s.num_work > 0 && a.rank_pools > 0;
   auto reset_claims = [&] {
-    cudaError_t e = claimed ? cudaMemsetAsync(a.claims, 0, sizeof(int) * kClaimWords, stream)
-                            : cudaSuccess;
-    if (e == cudaSuccess && prepared) {
-      e = cudaMemsetAsync(a.prep_states, 0, sizeof(int) * size_t(s.num_items) * a.PlanHeads(),
-                          stream);
-    }
-    return e;
+    return claimed ? cudaMemsetAsync(a.claims, 0, sizeof(int) * kClaimWords, stream)
+                   : cudaSuccess;
   };
   if (s.stages == 2) OSCARKV_CUDA_RETURN_IF_ERROR(reset_claims());
   if (s.stages >= 3) {
@@ -701,14 +677,6 @@ absl::StatusOr<int> MergeBlocksPerSm() {
 
 bool RunsIntegerValueProduct(int variant, int head_dim, int groups, bool g8) {
   return g8 ? UsesIntPv8(variant, head_dim, groups) : UsesIntPv(variant, head_dim, groups, false);
-}
-
-bool SplitPreparesQueries(const LaunchShape& s) {
-  // SplitKernel's kPrepInSplit: IntPv16Kernel's kernels without a stage
-  // ring at D 128, one group, at most 4 query heads per plan head.
-  const int v = s.variant;
-  return s.head_dim == 128 && s.groups == 1 && !s.g8 && s.cluster_blocks == 0 &&
-         ((v >= 12 && v <= 15) || v == AttendLauncher::kFlatCutVariant);
 }
 
 bool HasTwoHeadKernel(const LaunchShape& s) {

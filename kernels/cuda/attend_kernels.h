@@ -74,8 +74,6 @@ struct AttendSchedule {
   // the ranks (blocks per SM; 0: off) and the skew.
   int rank_pools = 0;
   double rank_skew = 0.0;
-  // The split kernel made the query fragments (no prep kernel).
-  bool prep_in_split = false;
 };
 
 // For benchmarks: the per-block timeline of one call's kernels
@@ -276,14 +274,6 @@ class AttendLauncher {
   // Prepare().
   void set_skip_prep(bool on) { skip_prep_ = on; }
 
-  // Where the query fragments are made: by the split kernel itself, the
-  // first block of each (item, kv head) for the others (true, the default,
-  // where the variant's kernel can: cuda_attend::SplitPreparesQueries), or
-  // by the prep kernel before it (false). The same bits either way. The
-  // environment variable OSCARKV_CUDA_ATTEND_PREP_IN_SPLIT (0 / 1) sets the
-  // initial value. Takes effect at the next Prepare().
-  void set_prep_in_split(bool on) { prep_in_split_ = on; }
-
   // Where the merge kernel writes the outputs: to mapped pinned host memory,
   // over the bus (the default: the service's results go to the host, and a
   // download copy costs a round trip), or, for benchmarks, to device memory
@@ -378,7 +368,6 @@ class AttendLauncher {
   std::vector<cuda_attend::HeadPartials> pair_plan_heads_;
   int stages_ = 3;
   bool skip_prep_ = false;
-  bool prep_in_split_ = true;
   // Pinned staging of the upload; the workspace (device): the uploaded region,
   // then device-only scratch (query fragments, partials, cluster counts,
   // trace rows); the outputs, in mapped pinned memory that the merge kernel

@@ -25,9 +25,6 @@ struct LaunchShape {
   // Benchmarks only (AttendLauncher::set_skip_prep): no prep kernel; the
   // split kernel, launched plainly, reads the fragments the last call left.
   bool skip_prep = false;
-  // The split kernel prepares the queries itself (SplitPreparesQueries and
-  // AttendLauncher::set_prep_in_split): no prep kernel.
-  bool prep_in_split = false;
   bool wide_merge = false;  // MergeBatch(head_dim, true): some kv head has many partials
   // Output dims per merge block: 32, or 64 (D = 128, not wide_merge) when
   // the grid of 32-dim blocks would not be resident at once.
@@ -50,11 +47,6 @@ absl::Status LaunchAttention(const LaunchArgs& args, const LaunchShape& shape,
 // 4 query heads per kv head): the launcher's kernel choice itself, asked
 // without the device. SizeAttendUnits plans folding by it.
 absl::StatusOr<bool> HasExactFirstKernel(const LaunchShape& shape);
-
-// Whether this shape's split kernel under shape.variant can make the query
-// fragments itself (LaunchArgs::prep_states; AwaitQueryPrep): variants
-// 12-15 and 19 at D 128, one group, at most 4 query heads per plan head.
-bool SplitPreparesQueries(const LaunchShape& shape);
 
 // Whether this shape's split kernel under shape.variant runs units of two
 // kv heads (variant 19 at D 128, one group: HistoryWarpIntPv at most 4

@@ -6,7 +6,6 @@
 // kernel (or the cluster kernel) writes the outputs straight into mapped
 // pinned memory (no download copy).
 #include <algorithm>
-#include <cstdint>
 #include <cstdlib>
 #include <cstring>
 #include <iterator>
@@ -71,9 +70,6 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_RANK_SKEW")) l->rank_skew_ = std::atof(v);
   if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_RANK_MIN_PAGES")) {
     l->rank_min_unit_pages_ = std::atol(v);
-  }
-  if (const char* v = std::getenv("OSCARKV_CUDA_ATTEND_PREP_IN_SPLIT")) {
-    l->prep_in_split_ = std::atoi(v) != 0;
   }
   // The split kernel's unit claims start at zero; each launch's merge kernel
   // zeroes them again (ResetClaims).
@@ -209,17 +205,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   if (variant_ == kClusterVariant && shape.cluster_blocks == 0) {
     shape.variant = ResolveVariant(kDefaultVariant, history_token_heads, num_sms_);
   }
-  shape.prep_in_split = prep_in_split_ && cuda_attend::SplitPreparesQueries(shape);
-  // The split kernel reads R_K in 16-byte rows (the backend's rotations
-  // are aligned; a batch's need not be: then the prep kernel, which has a
-  // scalar path).
-  for (int i = 0; i < n && shape.prep_in_split; ++i) {
-    const RotationRef& r = b.items[i].rotation;
-    if (b.items[i].num_pages > 0 &&
-        ((reinterpret_cast<uintptr_t>(r.r_k) & 15u) != 0 || r.stride % 4 != 0)) {
-      shape.prep_in_split = false;
-    }
-  }
 
   // Work units: exact-only units first (short), then history ranges (which
   // may carry exact blocks) sized so that all units fit in one wave of
@@ -310,8 +295,8 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
 
   // Layout: [items][page table][exact blocks][work][head partials][queries]
   // (uploaded from the staging buffer), then [qfrag][qmeta][partials]
-  // [results, with set_results_in_device_memory][cluster counts][prep
-  // states][trace] (device only).
+  // [results, with set_results_in_device_memory][cluster counts][trace]
+  // (device only).
   // The outputs, [item][Hq * D + Hq] floats (out, then lse), go to the mapped
   // pinned results buffer, written by the merge kernel over the bus (a few
   // KB per item: cheaper than a download copy's round trip), or to the
@@ -350,10 +335,7 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   const size_t trace_words =
       std::accumulate(std::begin(trace_blocks), std::end(trace_blocks), size_t{0}) *
       cuda_attend::kTraceMarks;
-  // prep_in_split: a state per (item, plan head), zero between launches.
-  const size_t off_states = AlignUp(off_counts + counts_bytes);
-  const size_t states_bytes = shape.prep_in_split ? sizeof(int) * n * Hp : 0;
-  const size_t off_trace = AlignUp(off_states + states_bytes);
+  const size_t off_trace = AlignUp(off_counts + counts_bytes);
   const size_t total = AlignUp(off_trace + trace_words * sizeof(unsigned long long));
 
   // The staging buffer may still feed the previous upload.
@@ -495,10 +477,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   if (counts_bytes > 0) {
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dev + off_counts, 0, counts_bytes, stream));
   }
-  // The split kernel's prep states start pending; each launch leaves them so.
-  if (states_bytes > 0) {
-    OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(dev + off_states, 0, states_bytes, stream));
-  }
   // Marks a block does not pass stay 0.
   if (trace_words > 0) {
     OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemsetAsync(
@@ -528,7 +506,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
   a.partials = reinterpret_cast<float*>(dev + off_part);
   a.clusters_per_head = clusters_per_head;
   a.cluster_counts = reinterpret_cast<unsigned*>(dev + off_counts);
-  a.prep_states = states_bytes > 0 ? reinterpret_cast<int*>(dev + off_states) : nullptr;
   a.queries = dev_queries;
   // One rotation for every item (the usual one-layer batch): the prep
   // kernel skips reading the item plans. Only when some item has history,
@@ -568,7 +545,6 @@ absl::Status AttendLauncher::Prepare(const AttendBatch& b, cudaStream_t stream) 
       cuda_attend::RunsIntegerValueProduct(shape.variant, D, shape.groups, shape.g8);
   schedule_.paired_heads = paired;
   schedule_.merge_slice = shape.merge_slice;
-  schedule_.prep_in_split = shape.prep_in_split;
   schedule_.flat_cut = sizes.flat;
   schedule_.rank_pools = a.rank_pools;
   schedule_.rank_skew = rank_cut ? plan_shape_.shares.skew : 0.0;

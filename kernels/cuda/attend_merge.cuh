@@ -216,11 +216,6 @@ __global__ void __launch_bounds__(kThreads, kWide ? 1 : 4) MergeKernel(LaunchArg
   WaitForPrerequisites();  // the split kernel's partials
   Trace(trace, block, kTraceWaited);
   if (block == 0) ResetClaims(a);
-  // The split kernel prepared the queries (LaunchArgs::prep_states): the
-  // pair's state back to pending for the next launch (replays too).
-  if (a.prep_states != nullptr && hh == 0 && blockIdx.z == 0 && threadIdx.x == 0) {
-    a.prep_states[size_t(item_idx) * a.PlanHeads() + h] = kPrepPending;
-  }
 
   // Entries [0, nh) are history partials, [nh, n) exact ones. Warp w takes
   // entries w + kWarps·i, 32 per round: lane i reads entry i's (m, l), so the

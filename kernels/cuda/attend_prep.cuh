@@ -55,49 +55,6 @@ __device__ __forceinline__ uint32_t IntFragWord(int idx, int digit, const float*
   return packed;
 }
 
-// Lane `lane` of one warp writes the 4 integer fragment words of query head
-// hh (column hh of plan head's fragments `frag`) that hold the 4 digits of
-// its 4 dims of one (c, rg, kk): IntFragWord's arithmetic, every digit of
-// one chain at once. A B = 1 call waits on this warp (H200, 2026-11-30,
-// tests/bench/RESULTS.md run 19).
-template <bool G8>
-__device__ __forceinline__ void WriteIntFragmentWords(const LaunchArgs& a, uint32_t* frag, int hh,
-                                                      const float* qs, float inv, int lane) {
-  const int q = lane, c = q & 3, rg = (q >> 2) & 1, kk = q >> 3;
-  const float sc = inv * DigitFieldScale(kk);
-  uint32_t words[4] = {0u, 0u, 0u, 0u};
-#pragma unroll
-  for (int b = 0; b < 4; ++b) {
-    float rest = qs[8 * c + 4 * rg + b + 32 * kk] * sc;
-#pragma unroll
-    for (int j = 0; j < 4; ++j) {
-      const float dj = rintf(rest);
-      words[j] |= (uint32_t(static_cast<int>(dj)) & 0xffu) << (8 * b);
-      rest = (rest - dj) * 128.0f;
-    }
-  }
-  const bool paired = a.int_qk == 2;
-#pragma unroll
-  for (int j = 0; j < 4; ++j) {
-    // Digit j sits in n-tile j / 2 (+ 2 for heads 4-7), column n
-    // (IntFragSlotOf's inverse).
-    const int tile = G8 ? 2 * (hh >> 2) + (j >> 1) : j >> 1;
-    const int n = paired ? 2 * (hh & 3) + (j & 1) : hh + 4 * (j & 1);
-    frag[(tile << 8) | (kk << 6) | (rg << 5) | (n << 2) | c] = words[j];
-  }
-}
-
-// Zeroes the integer fragment words of the columns of heads g .. (4 or 8)
-// - 1, which no head writes; thread `tid` of `threads`.
-template <bool G8>
-__device__ __forceinline__ void ZeroUnusedIntFragmentColumns(const LaunchArgs& a, uint32_t* frag,
-                                                             int tid, int threads) {
-  constexpr int kWords = (G8 ? 2 : 1) * kIntFragWords;
-  for (int idx = tid; idx < kWords; idx += threads) {
-    if (IntFragSlotOf(idx, a.int_qk == 2).col >= a.g) frag[idx] = 0;
-  }
-}
-
 // Writes the query head's fragment words of the QK MMA's B operand, from
 // qs[d] = q' of dim d, and zeroes the unused columns (heads g .. HG-1) when hh == 0. fp16 format:
 // hi / lo columns scaled to max |q'|·inv in [256, 512) times 4^-k for code
@@ -110,9 +67,38 @@ __device__ void WriteQueryFragments(const LaunchArgs& a, int item_idx, int h, in
   if (int_format) {
     constexpr int kWords = (G8 ? 2 : 1) * kIntFragWords;
     uint32_t* frag = a.qfrag + (size_t(item_idx) * a.PlanHeads() + h) * kWords;
-    if (threadIdx.x < 32) WriteIntFragmentWords<G8>(a, frag, hh, qs, inv, threadIdx.x);
-    if (hh == 0 && g < (G8 ? 8 : 4)) {
-      ZeroUnusedIntFragmentColumns<G8>(a, frag, threadIdx.x, blockDim.x);
+    // Lane q of warp 0 makes the 4 digits of the 4 dims of one (c, rg, kk)
+    // (IntFragWord's arithmetic, every digit of one chain at once) and
+    // writes the head's 4 words that hold them: a B = 1 call waits on this
+    // kernel's longest warp (H200, 2026-11-30, tests/bench/RESULTS.md run 19).
+    if (threadIdx.x < 32) {
+      const int q = threadIdx.x, c = q & 3, rg = (q >> 2) & 1, kk = q >> 3;
+      const float sc = inv * DigitFieldScale(kk);
+      uint32_t words[4] = {0u, 0u, 0u, 0u};
+#pragma unroll
+      for (int b = 0; b < 4; ++b) {
+        float rest = qs[8 * c + 4 * rg + b + 32 * kk] * sc;
+#pragma unroll
+        for (int j = 0; j < 4; ++j) {
+          const float dj = rintf(rest);
+          words[j] |= (uint32_t(static_cast<int>(dj)) & 0xffu) << (8 * b);
+          rest = (rest - dj) * 128.0f;
+        }
+      }
+      const bool paired = a.int_qk == 2;
+#pragma unroll
+      for (int j = 0; j < 4; ++j) {
+        // Digit j sits in n-tile j / 2 (+ 2 for heads 4-7), column n
+        // (IntFragSlotOf's inverse).
+        const int tile = G8 ? 2 * (hh >> 2) + (j >> 1) : j >> 1;
+        const int n = paired ? 2 * (hh & 3) + (j & 1) : hh + 4 * (j & 1);
+        frag[(tile << 8) | (kk << 6) | (rg << 5) | (n << 2) | c] = words[j];
+      }
+    }
+    if (hh == 0 && g < (G8 ? 8 : 4)) {  // the columns of heads g.. stay zero
+      for (int idx = threadIdx.x; idx < kWords; idx += blockDim.x) {
+        if (IntFragSlotOf(idx, a.int_qk == 2).col >= g) frag[idx] = 0;
+      }
     }
     return;
   }
@@ -306,154 +292,6 @@ __global__ void __launch_bounds__(PrepThreads(D)) PrepKernel(LaunchArgs a) {
   if (tid == 32) WriteQueryMeta(a, head_idx, mult, qsum, D);
   WriteQueryFragments<D, G8>(a, item_idx, h, hh, kIntFormat, qs, inv);
   Trace(a.trace[kTracePrep], blockIdx.x, kTraceEnd);
-}
-
-// The split kernel's own query prep (LaunchArgs::prep_states non-null;
-// SplitPreparesQueries in attend_kernels.cu: D = 128, one group, at most 4
-// query heads per plan head, integer digits). The first block of a history
-// part of (item, plan head h) to get there (compare-and-swap on the pair's
-// state, kPrepPending -> kPrepClaimed; attend_device.cuh) computes the query fragments and meta
-// of h's g query heads with its 128 threads and publishes them
-// (kPrepReady); the others wait until it has. No prep kernel, no prep-to-
-// split hop. The claimer is a running block and waits on nothing, so the
-// waits end. The merge kernel zeroes the states for the next launch.
-//
-// The arithmetic is PrepKernel's, bit for bit: q'[d] = Σ over 8 slices of
-// 16 rows (in order) of fmaf chains over the slice's rows, times
-// scale_log2; the statistics are the same shuffles over the same lanes.
-// Warp w runs slices 2w and 2w + 1, lane c the columns [4c, 4c + 4).
-// `scratch`: InSplitPrepScratchFloats<D>() floats of shared memory, the 8
-// slices' sums of two heads at a time, then the q' of all heads (the split
-// kernel's sm_o, free at that point).
-template <int D>
-constexpr int InSplitPrepScratchFloats() { return 8 * 2 * D; }
-
-template <int D>
-__device__ __forceinline__ void InSplitPrep(const LaunchArgs& a, int item_idx, int h,
-                                            float* scratch) {
-  static_assert(D == 128 && kThreads == 128, "one warp per pair of 16-row slices, D = 128");
-  constexpr int kRows = 16, Q = D / 4;
-  __shared__ float q_in[4][D];
-  float(*const red)[2][D] = reinterpret_cast<float(*)[2][D]>(scratch);
-  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
-  const int g = a.g;
-  const float* rk = a.rotation.r_k != nullptr ? a.rotation.r_k : a.items[item_idx].rotation.r_k;
-  const size_t stride = a.rotation.r_k != nullptr ? a.rotation.stride
-                                                  : a.items[item_idx].rotation.stride;
-  rk += stride * a.KvHead(h);
-  const int head0 = item_idx * a.hq + h * g;  // the plan head's first query head
-  for (int i = tid; i < 4 * D; i += kThreads) {
-    q_in[i / D][i % D] = i < g * D ? a.queries[size_t(head0) * D + i] : 0.0f;
-  }
-  __syncthreads();
-  // Two heads at a time (16 accumulators: the unit's first chunks are in
-  // registers meanwhile, and the 128-register kernels must not spill), R_K
-  // read once per pair; thread d keeps each head's q'[d].
-  float qd[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-#pragma unroll
-  for (int pair = 0; pair < 2; ++pair) {
-    if (2 * pair >= g) break;
-    float4 acc[2][2];
-#pragma unroll
-    for (int k = 0; k < 2; ++k) acc[k][0] = acc[k][1] = make_float4(0.0f, 0.0f, 0.0f, 0.0f);
-#pragma unroll
-    for (int j = 0; j < 2; ++j) {
-      const int row0 = (2 * warp + j) * kRows;
-#pragma unroll 2
-      for (int ii = 0; ii < kRows; ++ii) {
-        const float4 rv =
-            __ldg(reinterpret_cast<const float4*>(rk + size_t(row0 + ii) * D + 4 * lane));
-#pragma unroll
-        for (int k = 0; k < 2; ++k) {
-          const float x = q_in[2 * pair + k][row0 + ii];  // (0 past head g - 1)
-          acc[k][j].x = fmaf(x, rv.x, acc[k][j].x);
-          acc[k][j].y = fmaf(x, rv.y, acc[k][j].y);
-          acc[k][j].z = fmaf(x, rv.z, acc[k][j].z);
-          acc[k][j].w = fmaf(x, rv.w, acc[k][j].w);
-        }
-      }
-    }
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-#pragma unroll
-      for (int j = 0; j < 2; ++j) {
-        *reinterpret_cast<float4*>(&red[2 * warp + j][k][4 * lane]) = acc[k][j];
-      }
-    }
-    __syncthreads();
-#pragma unroll
-    for (int k = 0; k < 2; ++k) {
-      float s = 0.0f;
-#pragma unroll
-      for (int sl = 0; sl < 8; ++sl) s += red[sl][k][tid];
-      qd[2 * pair + k] = s * a.scale_log2;
-    }
-    __syncthreads();
-  }
-  float(*const qs)[D] = reinterpret_cast<float(*)[D]>(scratch);  // [4][D]
-#pragma unroll
-  for (int hh = 0; hh < 4; ++hh) {
-    if (hh < g) qs[hh][tid] = qd[hh];
-  }
-  __syncthreads();
-  // Warp hh: head hh's statistics (PrepKernel's: quarter r over lanes
-  // 32r + lane), scale, meta and fragment words.
-  const int hh = warp;
-  constexpr int kWords = kIntFragWords;
-  uint32_t* frag = a.qfrag + (size_t(item_idx) * a.PlanHeads() + h) * kWords;
-  if (hh < g) {
-    float mx = 0.0f, qsum[4];
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      const float v = qs[hh][r * Q + lane];
-      float m = 0.0f, sum = 0.0f;
-      m = fmaxf(m, fabsf(v));
-      sum += v;
-      for (int off = 16; off >= 1; off >>= 1) {
-        m = fmaxf(m, __shfl_xor_sync(kFull, m, off));
-        sum += __shfl_xor_sync(kFull, sum, off);
-      }
-      mx = fmaxf(mx, m);
-      qsum[r] = sum;
-    }
-    float inv, mult;
-    QueryScale(mx, true, &inv, &mult);
-    if (lane == 0) WriteQueryMeta(a, head0 + hh, mult, qsum, D);
-    WriteIntFragmentWords<false>(a, frag, hh, qs[hh], inv, lane);
-  }
-  if (g < 4) ZeroUnusedIntFragmentColumns<false>(a, frag, tid, kThreads);
-}
-
-// Every thread of a split block, before its history part of (item, plan
-// head h) reads the query fragments: returns once they are there, made by
-// this block (InSplitPrep) or by another. The unit's first loads are in
-// flight by then. `scratch` as InSplitPrep's.
-template <int D>
-__device__ __forceinline__ void AwaitQueryPrep(const LaunchArgs& a, int item_idx, int h,
-                                               float* scratch) {
-  int* const state = a.prep_states + size_t(item_idx) * a.PlanHeads() + h;
-  __shared__ int seen;
-  if (threadIdx.x == 0) seen = atomicCAS(state, kPrepPending, kPrepClaimed);
-  __syncthreads();
-  // (Uniform through lane 0, as the claimed unit: ClaimUnit's note.)
-  const int was = __shfl_sync(kFull, seen, 0);
-  if (was == kPrepPending) {
-    InSplitPrep<D>(a, item_idx, h, scratch);
-    __syncthreads();  // every thread's words written
-    if (threadIdx.x == 0) {
-      __threadfence();
-      asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(state), "r"(kPrepReady)
-                   : "memory");
-    }
-  } else if (threadIdx.x == 0) {
-    int v = was;
-    while (v != kPrepReady) {
-      __nanosleep(32);
-      asm volatile("ld.acquire.gpu.global.b32 %0, [%1];\n" : "=r"(v) : "l"(state) : "memory");
-    }
-    __threadfence();
-  }
-  __syncthreads();  // the words visible to every thread of the block
 }
 
 }  // namespace cuda_attend

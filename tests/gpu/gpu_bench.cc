@@ -832,13 +832,13 @@ int Main(int argc, char** argv) {
                       sched.rank_pools, sched.rank_skew);
       }
       std::printf("units: %d exact + %d history (%d pages each%s%s), %d partials; ran v%d%s%s, "
-                  "merge slices of %d dims; queries prepared by %s\n",
+                  "merge slices of %d dims\n",
                   sched.exact_units, sched.history_units, sched.pages_per_unit,
                   sched.flat_cut ? flat : "", ranks, sched.partials, sched.variant,
                   sched.integer_pv ? "" : " (its float P'V kernel at this shape)",
                   sched.paired_heads ? " on paired heads (two blocks per unit of the kv heads)"
                                      : "",
-                  sched.merge_slice, sched.prep_in_split ? "the split kernel" : "the prep kernel");
+                  sched.merge_slice);
     }
     for (const CallTimes* ct : {&unnamed, &named}) {
       const double* h = ct->host_us;
@@ -872,7 +872,7 @@ int Main(int argc, char** argv) {
                     {"gpu_us", gpu_us}, {"sdpa_gpu_us", sdpa_gpu},
                     {"gpu_device_out_us", device_out_us},
                     {"prep_us", stage_us[0]}, {"prep_split_us", stage_us[1]},
-                    {"no_prep_us", no_prep_us}, {"prep_in_split", sc.prep_in_split}});
+                    {"no_prep_us", no_prep_us}});
   }
   out["attention"] = rows;
   if (!json_path.empty()) std::ofstream(json_path) << out.dump(2) << "\n";
