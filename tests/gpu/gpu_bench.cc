@@ -677,40 +677,32 @@ int Main(int argc, char** argv) {
             stream, 3 * sets, iters, [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
       }
     }
-    // The same calls without the prep kernel (AttendLauncher::set_skip_prep;
-    // the split reads the last call's fragments): the most that computing
-    // the query fragments inside the split kernel could save.
-    double no_prep_us = 0;
-    if (stages) {
-      auto prepare_all = [&](bool skip) {
+    // The same calls with one launcher setting on (set(launcher, true)),
+    // then off again.
+    auto time_with = [&](auto&& set) {
+      auto prepare_all = [&](bool on) {
         for (int s = 0; s < sets; ++s) {
-          launchers[s]->set_skip_prep(skip);
+          set(*launchers[s], on);
           CKS(launchers[s]->Prepare(batches[s], stream));
         }
         CK(cudaStreamSynchronize(stream));
       };
       prepare_all(true);
-      no_prep_us = TimeEventsQueued(stream, 3 * sets, iters,
-                                    [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
+      const double t = TimeEventsQueued(
+          stream, 3 * sets, iters, [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
       prepare_all(false);
-    }
-    // The same calls with the outputs written to device memory, as SDPA's
-    // stay there (AttendLauncher::set_results_in_device_memory): what the
-    // service's writes over the bus to mapped host memory cost.
-    double device_out_us = 0;
-    {
-      auto prepare_all = [&](bool on_device) {
-        for (int s = 0; s < sets; ++s) {
-          launchers[s]->set_results_in_device_memory(on_device);
-          CKS(launchers[s]->Prepare(batches[s], stream));
-        }
-        CK(cudaStreamSynchronize(stream));
-      };
-      prepare_all(true);
-      device_out_us = TimeEventsQueued(stream, 3 * sets, iters,
-                                       [&](int i) { CKS(launchers[i % sets]->Launch(stream)); });
-      prepare_all(false);
-    }
+      return t;
+    };
+    // Without the prep kernel (AttendLauncher::set_skip_prep; the split
+    // reads the last call's fragments): the most that computing the query
+    // fragments inside the split kernel could save.
+    const double no_prep_us =
+        stages ? time_with([](AttendLauncher& l, bool on) { l.set_skip_prep(on); }) : 0.0;
+    // With the outputs written to device memory, as SDPA's stay there
+    // (AttendLauncher::set_results_in_device_memory): what the service's
+    // writes over the bus to mapped host memory cost.
+    const double device_out_us = time_with(
+        [](AttendLauncher& l, bool on) { l.set_results_in_device_memory(on); });
     // CUDA graphs of each set's three launches.
     std::vector<cudaGraphExec_t> execs(sets);
     for (int s = 0; s < sets; ++s) {
