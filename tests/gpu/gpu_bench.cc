@@ -11,7 +11,10 @@
 // Each row is timed twice: calls issued one by one (ours_us, as in earlier
 // runs: includes launch latency when the GPU waits for the CPU) and with a
 // batch of calls queued behind a held stream (GPU side; TimeEventsQueued),
-// next to the same two figures of SDPA.
+// next to the same two figures of SDPA. The default variant's rows also get
+// the GPU side cut after each kernel, without the prep kernel
+// (AttendLauncher::set_skip_prep: the most that making the query fragments
+// inside the split kernel could save) and with the outputs in device memory.
 //
 //   oscarkv_gpu_bench [--baseline sdpa.json] [--json out.json] [--iters N] [--only B1_S131072]
 //                     [--q-heads 32|40|48|56|64]  (query heads over the 8 kv heads, default 32:
