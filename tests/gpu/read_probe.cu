@@ -55,7 +55,53 @@ __global__ void EmptyPdlKernel() {
 // No work at all.
 __global__ void EmptyKernel() {}
 
+__device__ __forceinline__ unsigned long long GlobalTimer() {
+  unsigned long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// The writer of the handoff probe: thread t of block b writes word
+// b·128 + t of `buf` (as the split kernel's blocks write their partials),
+// then lets the reader launch.
+__global__ void HandoffWriteKernel(float* buf) {
+  cuda_attend::LaunchDependents();
+  buf[size_t(blockIdx.x) * 128 + threadIdx.x] = float(blockIdx.x + threadIdx.x);
+}
+
+// The reader (one warp per block): waits for the writer, then each lane
+// loads one word of `src` (another block's, as the merge reads the split's
+// (m, l)) and the warp sums them with 5 shuffles, as the merge's first
+// statistics do; lane 0 writes the ns from the wait's return to the sum
+// (and the sum, so nothing is dropped) to out[2b], out[2b + 1].
+__global__ void HandoffReadKernel(const float* src, int words, unsigned long long* out) {
+  cuda_attend::WaitForPrerequisites();
+  const unsigned long long t0 = GlobalTimer();
+  const int lane = threadIdx.x & 31;
+  float x = src[(size_t(blockIdx.x) * 977 + size_t(lane) * 131) % size_t(words)];
+  for (int off = 16; off >= 1; off >>= 1) x += __shfl_xor_sync(0xffffffffu, x, off);
+  const unsigned long long t1 = GlobalTimer();
+  if (lane == 0) {
+    out[2 * blockIdx.x] = t1 - t0;
+    out[2 * blockIdx.x + 1] = __float_as_uint(x);
+  }
+}
+
 }  // namespace
+
+cudaError_t LaunchHandoffProbe(float* written, const float* other, int writer_blocks,
+                               int reader_blocks, bool read_written, bool pdl,
+                               unsigned long long* out, cudaStream_t stream) {
+  if (writer_blocks <= 0 || reader_blocks <= 0) return cudaErrorInvalidValue;
+  HandoffWriteKernel<<<writer_blocks, 128, 0, stream>>>(written);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess) return err;
+  cudaLaunchAttribute attr;
+  cudaLaunchConfig_t cfg = PdlLaunchConfig(dim3(reader_blocks), dim3(32), 0, stream, &attr);
+  if (!pdl) cfg.numAttrs = 0;  // a plain launch: the wait returns at once
+  return cudaLaunchKernelEx(&cfg, HandoffReadKernel, read_written ? written : other,
+                            writer_blocks * 128, out);
+}
 
 cudaError_t LaunchEmptyChain(int kernels, int blocks, bool pdl_ops, cudaStream_t stream) {
   if (kernels <= 0 || blocks <= 0) return cudaErrorInvalidValue;
