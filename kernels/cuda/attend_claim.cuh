@@ -75,7 +75,7 @@ __device__ __forceinline__ int ClaimUnit(const LaunchArgs& a) {
 // the merge's critical path.
 __device__ __forceinline__ void ResetClaims(const LaunchArgs& a) {
   if (a.rank_pools <= 0) return;
-  for (int i = threadIdx.x; i < kClaimWords; i += blockDim.x) a.claims[i] = 0;
+  for (int i = threadIdx.x; i < kClaimSms; i += blockDim.x) a.claims[i] = 0;
 }
 
 }  // namespace cuda_attend

@@ -73,7 +73,7 @@ struct LaunchArgs {
   int head_shift;
   // Units claimed by arrival rank (attend_claim.cuh): 0, or the R of the
   // plan's RankShares, and its S (the SMs); each block claims its unit
-  // through `claims` (kClaimWords counters, zero between launches).
+  // through `claims` (kClaimSms counters, zero between launches).
   int rank_pools;
   int claim_sms;
   int* claims;

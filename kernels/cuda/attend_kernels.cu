@@ -349,8 +349,7 @@ template <typename Kernel>
 absl::Status LaunchPdl(Kernel kernel, dim3 grid, dim3 block, cudaStream_t stream,
                        const LaunchArgs& a, size_t dynamic_smem = 0, bool pdl = true) {
   cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = PdlLaunchConfig(grid, block, dynamic_smem, stream, &attr);
-  if (!pdl) cfg.numAttrs = 0;
+  const cudaLaunchConfig_t cfg = PdlLaunchConfig(grid, block, dynamic_smem, stream, &attr, pdl);
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaLaunchKernelEx(&cfg, kernel, a));
   return absl::OkStatus();
 }
@@ -557,7 +556,7 @@ absl::Status LaunchTyped(const LaunchArgs& args, const LaunchShape& s, cudaStrea
   // counters are zeroed here for the next launch (else ResetClaims does it).
   const bool claimed = s.num_work > 0 && a.rank_pools > 0;
   auto reset_claims = [&] {
-    return claimed ? cudaMemsetAsync(a.claims, 0, sizeof(int) * kClaimWords, stream)
+    return claimed ? cudaMemsetAsync(a.claims, 0, sizeof(int) * kClaimSms, stream)
                    : cudaSuccess;
   };
   if (s.stages == 2) OSCARKV_CUDA_RETURN_IF_ERROR(reset_claims());

@@ -360,7 +360,7 @@ class AttendLauncher {
   long wave_units_ = 0;
   double rank_skew_ = kDefaultRankSkew;
   long rank_min_unit_pages_ = cuda_attend::kRankSharePagesPerUnit;
-  int* claims_ = nullptr;  // [cuda_attend::kClaimWords], zero between launches
+  int* claims_ = nullptr;  // [cuda_attend::kClaimSms], zero between launches
   bool pair_heads_ = true;
   // Paired heads: the kv heads' plan, before PairHeadUnits doubles it into
   // the staging buffer.

@@ -74,9 +74,9 @@ absl::StatusOr<std::unique_ptr<AttendLauncher>> AttendLauncher::Create(int devic
   // The split kernel's unit claims start at zero; each launch's merge kernel
   // zeroes them again (ResetClaims).
   OSCARKV_CUDA_ALLOC_OR_RETURN(
-      l->claims_, cudaMalloc(&l->claims_, sizeof(int) * cuda_attend::kClaimWords),
+      l->claims_, cudaMalloc(&l->claims_, sizeof(int) * cuda_attend::kClaimSms),
       "cudaMalloc (attention unit claims)");
-  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemset(l->claims_, 0, sizeof(int) * cuda_attend::kClaimWords));
+  OSCARKV_CUDA_RETURN_IF_ERROR(cudaMemset(l->claims_, 0, sizeof(int) * cuda_attend::kClaimSms));
   OSCARKV_CUDA_RETURN_IF_ERROR(cudaEventCreateWithFlags(&l->upload_done_, cudaEventDisableTiming));
   return l;
 }

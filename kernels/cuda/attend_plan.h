@@ -96,12 +96,11 @@ inline constexpr int kClusterBlocks = 8;
 // global memory, combined in registers by the last one).
 inline constexpr int kMaxClustersPerHead = 16;
 
-// The split kernel's unit claims (attend_claim.cuh): the slots taken on
-// each SM id (below kClaimSms; blocks on higher ids take a free slot of
-// another). At most kMaxRankPools ranks.
+// The split kernel's unit claims (attend_claim.cuh): one counter of the
+// slots taken per SM id below kClaimSms (blocks on higher ids take a free
+// slot of another). At most kMaxRankPools ranks.
 inline constexpr int kMaxRankPools = 8;
 inline constexpr int kClaimSms = 256;
-inline constexpr int kClaimWords = kClaimSms;
 
 // Per query head: {2^E, qsum[4 groups], 0, 0, 0} (see the prep kernel).
 inline constexpr int kQueryMetaFloats = 8;

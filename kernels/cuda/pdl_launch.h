@@ -12,9 +12,13 @@
 namespace oscarkv {
 
 // A config for cudaLaunchKernelEx with programmatic stream serialization
-// allowed; it points at *attr, which must outlive the launch call.
+// allowed; it points at *attr, which must outlive the launch call. With
+// `programmatic` false, a plain launch's config (no attribute: the kernel
+// starts after the one before it, and its griddepcontrol.wait returns at
+// once: the benchmarks' skip_prep and first-access probe).
 inline cudaLaunchConfig_t PdlLaunchConfig(dim3 grid, dim3 block, size_t dynamic_smem,
-                                          cudaStream_t stream, cudaLaunchAttribute* attr) {
+                                          cudaStream_t stream, cudaLaunchAttribute* attr,
+                                          bool programmatic = true) {
   cudaLaunchConfig_t cfg = {};
   cfg.gridDim = grid;
   cfg.blockDim = block;
@@ -23,7 +27,7 @@ inline cudaLaunchConfig_t PdlLaunchConfig(dim3 grid, dim3 block, size_t dynamic_
   attr->id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attr->val.programmaticStreamSerializationAllowed = 1;
   cfg.attrs = attr;
-  cfg.numAttrs = 1;
+  cfg.numAttrs = programmatic ? 1 : 0;
   return cfg;
 }
 

@@ -244,6 +244,47 @@ void PrintCallTraces(std::vector<std::unique_ptr<AttendLauncher>>& launchers,
   gputest::PrintTraceSummary(traces, "                  ");
 }
 
+// The first access after a PDL wait (the merge kernel's first (m, l) load
+// and shuffles took ~1 us: RESULTS runs 31 and 33): one load per lane of 128
+// one-warp blocks, of words a 4-per-SM writer grid just wrote or of others,
+// behind a PDL wait or a plain launch; medians over 20 launches' blocks.
+void PrintFirstAccessAfterWait(int sms, cudaStream_t stream, nlohmann::json& out) {
+  const int writers = 4 * sms, readers = 128;
+  float* words = nullptr;
+  unsigned long long* times = nullptr;
+  CK(cudaMalloc(&words, 2 * sizeof(float) * writers * 128));
+  CK(cudaMemset(words, 0, 2 * sizeof(float) * writers * 128));
+  CK(cudaMalloc(&times, 2 * sizeof(unsigned long long) * readers));
+  std::vector<unsigned long long> host(2 * readers);
+  double median_ns[2][2];
+  for (int pdl = 0; pdl < 2; ++pdl) {
+    for (int written = 0; written < 2; ++written) {
+      std::vector<double> ns;
+      for (int rep = 0; rep < 21; ++rep) {
+        CK(gputest::LaunchHandoffProbe(words, words + writers * 128, writers, readers,
+                                       written == 1, pdl == 1, times, stream));
+        CK(cudaStreamSynchronize(stream));
+        if (rep == 0) continue;  // warm-up
+        CK(cudaMemcpy(host.data(), times, host.size() * sizeof(host[0]),
+                      cudaMemcpyDeviceToHost));
+        for (int b = 0; b < readers; ++b) ns.push_back(double(host[2 * b]));
+      }
+      median_ns[pdl][written] = gputest::Median(std::move(ns));
+    }
+  }
+  CK(cudaFree(words));
+  CK(cudaFree(times));
+  std::printf("first access after the wait (one load per lane + 5 shuffles, %d one-warp blocks "
+              "after %d writer blocks), median: PDL %.0f ns of words just written, %.0f ns of "
+              "others; plain launch %.0f / %.0f ns\n",
+              readers, writers, median_ns[1][1], median_ns[1][0], median_ns[0][1],
+              median_ns[0][0]);
+  out["first_access_pdl_written_ns"] = median_ns[1][1];
+  out["first_access_pdl_other_ns"] = median_ns[1][0];
+  out["first_access_plain_written_ns"] = median_ns[0][1];
+  out["first_access_plain_other_ns"] = median_ns[0][0];
+}
+
 int Main(int argc, char** argv) {
   std::string baseline_path, json_path, only;
   int iters = 200;
@@ -405,47 +446,7 @@ int Main(int argc, char** argv) {
     out["floor_3kernel_pdl_us"] = chain_us[1][0];
     out["floor_3kernel_pdl_wave_us"] = chain_us[1][1];
   }
-  {
-    // The first access after a PDL wait (the merge kernel's first (m, l)
-    // load and shuffles took ~1 us: RESULTS runs 31 and 33): one load per
-    // lane of 128 one-warp blocks, of words a 4-per-SM writer grid just
-    // wrote or of others, behind a PDL wait or a plain launch.
-    const int writers = 4 * sms, readers = 128;
-    float* words = nullptr;
-    unsigned long long* times = nullptr;
-    CK(cudaMalloc(&words, 2 * sizeof(float) * writers * 128));
-    CK(cudaMemset(words, 0, 2 * sizeof(float) * writers * 128));
-    CK(cudaMalloc(&times, 2 * sizeof(unsigned long long) * readers));
-    std::vector<unsigned long long> host(2 * readers);
-    double median_ns[2][2];
-    for (int pdl = 0; pdl < 2; ++pdl) {
-      for (int written = 0; written < 2; ++written) {
-        std::vector<double> ns;
-        for (int rep = 0; rep < 21; ++rep) {
-          CK(gputest::LaunchHandoffProbe(words, words + writers * 128, writers, readers,
-                                         written == 1, pdl == 1, times, stream));
-          CK(cudaStreamSynchronize(stream));
-          if (rep == 0) continue;  // warm-up
-          CK(cudaMemcpy(host.data(), times, host.size() * sizeof(host[0]),
-                        cudaMemcpyDeviceToHost));
-          for (int b = 0; b < readers; ++b) ns.push_back(double(host[2 * b]));
-        }
-        std::nth_element(ns.begin(), ns.begin() + ns.size() / 2, ns.end());
-        median_ns[pdl][written] = ns[ns.size() / 2];
-      }
-    }
-    CK(cudaFree(words));
-    CK(cudaFree(times));
-    std::printf("first access after the wait (one load per lane + 5 shuffles, %d one-warp blocks "
-                "after %d writer blocks), median: PDL %.0f ns of words just written, %.0f ns of "
-                "others; plain launch %.0f / %.0f ns\n",
-                readers, writers, median_ns[1][1], median_ns[1][0], median_ns[0][1],
-                median_ns[0][0]);
-    out["first_access_pdl_written_ns"] = median_ns[1][1];
-    out["first_access_pdl_other_ns"] = median_ns[1][0];
-    out["first_access_plain_written_ns"] = median_ns[0][1];
-    out["first_access_plain_other_ns"] = median_ns[0][0];
-  }
+  PrintFirstAccessAfterWait(sms, stream, out);
   if (trace_calls > 0) {
     auto step = AttendTraceTimerStepNs();
     CKS(step.status());

@@ -97,8 +97,8 @@ cudaError_t LaunchHandoffProbe(float* written, const float* other, int writer_bl
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess) return err;
   cudaLaunchAttribute attr;
-  cudaLaunchConfig_t cfg = PdlLaunchConfig(dim3(reader_blocks), dim3(32), 0, stream, &attr);
-  if (!pdl) cfg.numAttrs = 0;  // a plain launch: the wait returns at once
+  const cudaLaunchConfig_t cfg =
+      PdlLaunchConfig(dim3(reader_blocks), dim3(32), 0, stream, &attr, pdl);
   return cudaLaunchKernelEx(&cfg, HandoffReadKernel, read_written ? written : other,
                             writer_blocks * 128, out);
 }
